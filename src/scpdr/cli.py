@@ -1,0 +1,90 @@
+"""The ``scpdr`` command: thin typer commands over the library (STYLE.md 8, after TRL ``cli/main.py``).
+
+Each command lives in ``scpdr/commands/<name>.py`` as a plain function and imports its heavy
+dependencies inside the function body, so ``scpdr --help`` is fast. ``main(argv) -> int`` is the
+testable entry point; ``run()`` is the console script.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="scpdr",
+    help="SCP-Δr: fine-tune on private data and serve with provable protection against extraction.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# (module under scpdr.commands, attribute, command name). A module that does not exist yet is
+# skipped, so the CLI grows with the library.
+_COMMANDS: list[tuple[str, str, str]] = [
+    ("demo", "demo", "demo"),
+    ("experiment", "experiment", "experiment"),
+    ("train", "train", "train"),
+    ("data", "partition", "partition"),
+    ("data", "audit_partitions", "audit-partitions"),
+    ("eval", "eval_", "eval"),
+    ("bounds", "bounds", "bounds"),
+    ("bundle", "bundle", "bundle"),
+    ("serve", "serve", "serve"),
+    ("prop_bounds", "prop_bounds", "prop-bounds"),
+]
+
+
+def _register() -> None:
+    for module, attr, name in _COMMANDS:
+        try:
+            mod = importlib.import_module(f"scpdr.commands.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"scpdr.commands.{module}":
+                continue
+            raise
+        app.command(name=name)(getattr(mod, attr))
+
+
+@app.callback()
+def _root(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at DEBUG level."),
+) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    try:
+        app(args=argv if argv is not None else sys.argv[1:], standalone_mode=False)
+    except SystemExit as exc:  # typer/click exit paths
+        return int(exc.code or 0)
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except Exception as exc:  # click usage errors and our own errors: message, not traceback
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            return exc.exit_code
+        if isinstance(exc, click.exceptions.Abort):
+            return 1
+        from scpdr.errors import ScpdrError
+
+        if isinstance(exc, (ScpdrError, FileNotFoundError)):
+            typer.echo(f"error: {exc}", err=True)
+            return 2
+        raise
+    return 0
+
+
+def run() -> None:
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Test-wide settings: offline hubs, one BLAS thread per process, a shared model cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The converted base model and the tokenizer are cached here across test runs (see scpdr.models).
+os.environ.setdefault("SCPDR_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "scpdr"))
+
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
