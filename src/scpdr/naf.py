@@ -1,0 +1,501 @@
+"""NAF aggregation rules: pure functions of ``(K, *batch, V)`` log-probability tensors.
+
+The paper (``shared/paper/scp_dr.tex``) is the source of truth. Numbers below are those of the
+compiled paper, where theorems, propositions, lemmas, definitions and remarks share one counter
+per section; the LaTeX label is given as well so that a reader of the ``.tex`` file finds them:
+
+- Def. 2.2 (CP-Δ), Thm. 2.3 (``thm:cp_d``, CP-Δ bound),
+- Def. 2.5 (RPD), Def. 2.6 (CP-Δr), Thm. 2.7 (``thm:cp_dr``, CP-Δr bound),
+- §4.1 smoothing S_m and Alg. 1 (``alg:SCP``, SCP-Δr), Remark 4.1 (``remark:2k_sparps``),
+- CP-ΔKL (§2.5, after Vyas et al. 2023) and CP-Fuse (Abad et al. 2025).
+
+Conventions (STYLE.md 1-5, after PEFT ``utils/merge_utils.py``):
+
+- ``logps`` is ``Tensor[K, *batch, V]``: logits or log-probabilities of K constituent models on one
+  vocabulary. ``base`` is ``Tensor[*batch, V]`` or a ``(V,)`` vector broadcast over the batch
+  (the constant-base 'c' variant of SCP-Δr).
+- Every input (each constituent and the base) first goes through :func:`normalize`: ``log_softmax``
+  in float32, then ``clamp_min(LOG_FLOOR)`` (every probability at least e^-20, §2.1), then
+  renormalization with ``logsumexp``. After renormalization a floored entry sits at
+  ``LOG_FLOOR - log Z`` with ``0 <= log Z <= V e^-20`` (at most 1e-4 for V = 49152).
+- Every rule returns normalized float32 log-probabilities ``Tensor[*batch, V]``, for float32,
+  bfloat16 and float16 inputs alike, and never modifies its inputs.
+- A row whose entries are all ``-inf`` has no distribution; its output is NaN. Partially masked
+  rows (some ``-inf`` entries) are fine: masked tokens get the floor probability.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from scpdr.errors import ConfigError, VocabularyMismatchError
+
+__all__ = [
+    "CP_FUSE_CHUNK_ELEMENTS",
+    "CP_FUSE_GRID",
+    "CP_FUSE_WEIGHTS",
+    "DEFAULT_M",
+    "LOG_FLOOR",
+    "METHODS",
+    "SCP_METHODS",
+    "aggregate",
+    "cp_delta",
+    "cp_delta_r",
+    "cp_fuse_step",
+    "cp_kl",
+    "none",
+    "normalize",
+    "rpd",
+    "scp_delta",
+    "scp_delta_r",
+    "smooth",
+    "smoothed_logps",
+    "smoothed_rpds",
+]
+
+#: Log of the probability floor: every distribution gives each token at least e^-20 (§2.1).
+LOG_FLOOR = -20.0
+#: Default smoothing level m (the paper's default, App. "Choice of smoothing parameter m").
+DEFAULT_M = 10
+#: CP-Fuse: the values each of the two weights (b1, b2) takes on the default grid.
+CP_FUSE_WEIGHTS: tuple[float, ...] = tuple(round(0.2 * i, 1) for i in range(11))
+#: CP-Fuse default grid: every pair of :data:`CP_FUSE_WEIGHTS` except (0, 0) (120 points).
+CP_FUSE_GRID: tuple[tuple[float, float], ...] = tuple(
+    (a, b) for a in CP_FUSE_WEIGHTS for b in CP_FUSE_WEIGHTS if (a, b) != (0.0, 0.0)
+)
+#: CP-Fuse evaluates the grid in chunks of at most this many (grid point x batch x vocab)
+#: elements, so (batch, G, V) is never materialized at once (64 MiB of float32).
+CP_FUSE_CHUNK_ELEMENTS = 1 << 24
+#: Methods that smooth against a base model and therefore need ``base`` and ``m``.
+SCP_METHODS = frozenset({"scp-delta-r", "scp-delta"})
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _as_float32(x: Tensor, name: str) -> Tensor:
+    """``x`` as float32 (no copy when it already is; the caller must not modify the result)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(
+            f"{name} must hold floating-point logits or log-probabilities, got dtype {x.dtype}; "
+            "convert with .float()"
+        )
+    if x.ndim < 1 or x.shape[-1] < 2:
+        raise ValueError(
+            f"{name} must have a vocabulary dimension of size >= 2 last, got shape {tuple(x.shape)}"
+        )
+    return x.float()
+
+
+def _check_logps(logps: Tensor | Sequence[Tensor], method: str, *, min_k: int) -> Tensor:
+    """Validate ``logps`` ``(K, *batch, V)`` and return it as float32."""
+    if not isinstance(logps, Tensor):
+        if isinstance(logps, Sequence) and logps and all(isinstance(t, Tensor) for t in logps):
+            shapes = {tuple(t.shape) for t in logps}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"{method}: the constituents' log-prob tensors differ in shape: "
+                    f"{sorted(shapes)}; every constituent must give (*batch, V) on one vocabulary"
+                )
+            logps = torch.stack(list(logps))
+        else:
+            raise TypeError(
+                f"{method}: logps must be a Tensor[K, *batch, V] (or a list of K Tensor[*batch, V])"
+            )
+    if logps.ndim < 2:
+        raise ValueError(
+            f"{method}: logps must have shape (K, *batch, V) with a leading constituent "
+            f"dimension, got shape {tuple(logps.shape)}; for a single model use logps[None]"
+        )
+    k = logps.shape[0]
+    if k < min_k:
+        raise ValueError(
+            f"{method} aggregates K >= {min_k} constituents, got K = {k} "
+            f"(logps shape {tuple(logps.shape)}); pass one model per partition along dim 0, "
+            "or use method 'none' for a single model"
+        )
+    return _as_float32(logps, f"{method}: logps")
+
+
+def _check_base(base: Tensor | None, logps: Tensor, method: str) -> Tensor:
+    """Validate ``base`` against ``logps`` ``(K, *batch, V)``; return float32 ``(*batch, V)``."""
+    if base is None:
+        raise ValueError(
+            f"{method} smooths against a base model: pass base=Tensor[*batch, V] (the base "
+            "model's logits) or base=Tensor[V] (a constant logit vector, the 'c' variant)"
+        )
+    base = _as_float32(base, f"{method}: base")
+    target = tuple(logps.shape[1:])
+    if base.shape[-1] != target[-1]:
+        raise VocabularyMismatchError(
+            f"{method}: base has vocabulary size {base.shape[-1]} but the constituents have "
+            f"{target[-1]}; base and constituents must share one tokenizer"
+        )
+    try:
+        shape = torch.broadcast_shapes(tuple(base.shape), target)
+    except RuntimeError:
+        shape = None
+    if shape != target:
+        raise ValueError(
+            f"{method}: base shape {tuple(base.shape)} does not broadcast to the constituents' "
+            f"(*batch, V) = {target}; pass base with shape {target} or ({target[-1]},)"
+        )
+    return base.expand(target)
+
+
+def _check_m(m: int, vocab: int, method: str) -> int:
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise ConfigError(f"{method}: m must be an int (tokens kept unsmoothed), got {m!r}")
+    if not 1 <= m < vocab:
+        raise ConfigError(
+            f"{method}: m must satisfy 1 <= m < V = {vocab} (tokens kept unsmoothed), got m = {m}; "
+            f"the paper's default is m = {DEFAULT_M}"
+        )
+    return m
+
+
+# --------------------------------------------------------------------------------------------
+# floor, RPD, smoothing
+
+
+def _floored(x: Tensor) -> Tensor:
+    """``clamp_min(log_softmax(x), LOG_FLOOR)`` in float32, *not* renormalized: ``(..., V)``.
+
+    It differs from :func:`normalize` by a constant per row, which every rule that is invariant
+    to a per-row shift (RPDs, CP-Δr, CP-ΔKL, final ``log_softmax``) uses to skip one logsumexp.
+    """
+    return torch.log_softmax(x, dim=-1).clamp_min_(LOG_FLOOR)
+
+
+def normalize(x: Tensor) -> Tensor:
+    """Log-probabilities with the e^-20 floor of §2.1: ``Tensor[..., V]`` -> ``Tensor[..., V]``.
+
+    ``log_softmax`` in float32, ``clamp_min(LOG_FLOOR)``, then renormalize with ``logsumexp``.
+    Accepts logits or log-probabilities (any float dtype); returns float32.
+    """
+    y = _floored(_as_float32(x, "normalize: x"))
+    return y - torch.logsumexp(y, dim=-1, keepdim=True)
+
+
+def rpd(logp: Tensor) -> Tensor:
+    """Log relative probabilities (Def. 2.5, RPD): ``log rp = log p - log tp``, ``(..., V)``.
+
+    ``log tp`` is the mean of ``log p`` over the vocabulary, so the result has mean 0 over the
+    last dimension. ``logp`` (logits or log-probs) is floored first (:func:`normalize`).
+    """
+    y = _floored(_as_float32(logp, "rpd: logp"))
+    return y - y.mean(dim=-1, keepdim=True)
+
+
+def _smoothing_parts(
+    y: Tensor, y_base: Tensor, m: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The pieces of S_m (§4.1) for K floored constituents at once.
+
+    Args:
+        y: ``(K, *batch, V)`` floored constituent log-probs (any per-row shift).
+        y_base: ``(*batch, V)`` floored base log-probs (any per-row shift).
+        m: tokens kept unsmoothed.
+
+    Returns ``(lr_base, d, idx, d_top, c)``: the base RPD ``(*batch, V)``; ``d = log rp - log rb``
+    ``(K, *batch, V)``; the kept tokens ``idx`` ``(K, *batch, m)`` (top-m of
+    ``score = p * log(rp/rb)``, ties broken by ``torch.topk``); ``d_top = d[idx]``
+    ``(K, *batch, m)``; and the re-centring constant ``c = sum(d_top) / V`` ``(K, *batch, 1)``, so
+    that ``S_m(rp, rb) = lr_base + d * [y in idx] - c`` (``log beta = -c``).
+    """
+    vocab = y.shape[-1]
+    lr_base = y_base - y_base.mean(dim=-1, keepdim=True)  # (*batch, V)
+    d = y - y.mean(dim=-1, keepdim=True)  # (K, *batch, V): log rp
+    d = d.sub_(lr_base)  # (K, *batch, V): log rp - log rb
+    # p = exp(y - logZ) with logZ constant per row: the same top-m as exp(y) * d.
+    score = torch.exp(y).mul_(d)  # (K, *batch, V)
+    idx = torch.topk(score, m, dim=-1, sorted=False).indices  # (K, *batch, m)
+    d_top = d.gather(-1, idx)  # (K, *batch, m)
+    c = d_top.sum(dim=-1, keepdim=True) / vocab  # (K, *batch, 1)
+    return lr_base, d, idx, d_top, c
+
+
+def _prepare_scp(
+    logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int, method: str, *, min_k: int = 1
+) -> tuple[Tensor, Tensor, int]:
+    """Validate and floor constituents and base in one pass: ``(K, *b, V)``, ``(*b, V)``, m."""
+    x = _check_logps(logps, method, min_k=min_k)
+    b = _check_base(base, x, method)
+    m = _check_m(m, x.shape[-1], method)
+    y = _floored(torch.cat([x, b.unsqueeze(0)], dim=0))  # (K+1, *batch, V), a new tensor
+    return y[:-1], y[-1], m
+
+
+def smoothed_rpds(
+    logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int = DEFAULT_M
+) -> Tensor:
+    """Smoothed RPDs ``log S_m(rp_i, rb)`` (§4.1) of K constituents: ``Tensor[K, *batch, V]``.
+
+    ``S_m(rp, rb)(y) = beta rp(y)`` on the m tokens of largest ``p(y) log(rp(y)/rb(y))`` and
+    ``beta rb(y)`` elsewhere, with ``beta`` chosen so that the mean log is 0.
+    """
+    return _smoothed(logps, base, m, "smoothed_rpds")
+
+
+def _smoothed(logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int, method: str) -> Tensor:
+    y, y_base, m = _prepare_scp(logps, base, m, method)
+    lr_base, d, idx, d_top, c = _smoothing_parts(y, y_base, m)
+    s = torch.zeros_like(d).scatter_(-1, idx, d_top)  # (K, *batch, V)
+    return s.add_(lr_base).sub_(c)
+
+
+def smooth(logp: Tensor, log_base: Tensor, m: int = DEFAULT_M) -> Tensor:
+    """``log S_m(rp, rb)`` (§4.1) of one distribution: ``Tensor[*batch, V]`` (mean log 0).
+
+    Args:
+        logp: ``(*batch, V)`` logits or log-probs of p (floored first).
+        log_base: ``(*batch, V)`` or ``(V,)`` logits or log-probs of the base b (floored first).
+        m: number of tokens that keep p's relative probability (1 <= m < V).
+    """
+    logp = _as_float32(logp, "smooth: logp")
+    return smoothed_rpds(logp.unsqueeze(0), log_base, m)[0]
+
+
+def smoothed_logps(
+    logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int = DEFAULT_M
+) -> Tensor:
+    """The distributions ``p~_i`` induced by the smoothed RPDs (Alg. 1): ``Tensor[K, *batch, V]``.
+
+    ``log p~_i = log S_m(rp_i, rb) - logsumexp(log S_m(rp_i, rb))`` (normalized log-probs). SCP-Δr
+    is CP-Δr of these, so its NAF bound is computed on them (``scpdr.bounds``).
+    """
+    s = smoothed_rpds(logps, base, m)
+    return torch.log_softmax(s, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# aggregation rules
+
+
+def none(
+    logps: Tensor | Sequence[Tensor], *, base: Tensor | None = None, m: int = DEFAULT_M
+) -> Tensor:
+    """No aggregation: constituent 0, floored and normalized (the "No CP" rows). K >= 1."""
+    x = _check_logps(logps, "none", min_k=1)
+    return normalize(x[0])
+
+
+def cp_delta(
+    logps: Tensor | Sequence[Tensor], *, base: Tensor | None = None, m: int = DEFAULT_M
+) -> Tensor:
+    """CP-Δ (Def. 2.2) for K >= 2: ``r(y) = min_i p_i(y) / Z``, ``Z = sum_y min_i p_i(y)``.
+
+    NAF-tight under the max divergence with ``k_x = D_m(p, q)`` for K = 2 (Thm. 2.3, ``thm:cp_d``).
+    ``base`` and ``m`` are ignored. Returns ``log r``: ``Tensor[*batch, V]``.
+    """
+    x = _check_logps(logps, "cp-delta", min_k=2)
+    y = _floored(x)  # (K, *batch, V)
+    y = y.sub_(torch.logsumexp(y, dim=-1, keepdim=True))  # normalized: the min needs it
+    return torch.log_softmax(y.amin(dim=0), dim=-1)
+
+
+def cp_kl(
+    logps: Tensor | Sequence[Tensor], *, base: Tensor | None = None, m: int = DEFAULT_M
+) -> Tensor:
+    """CP-ΔKL (§2.5, Vyas et al. 2023): the normalized geometric mean of the constituents.
+
+    ``r(y) ∝ (prod_i p_i(y))^(1/K)``, which minimizes ``sum_i KL(r || p_i)``. Returns
+    ``log r``: ``Tensor[*batch, V]``. ``base`` and ``m`` are ignored.
+    """
+    x = _check_logps(logps, "cp-kl", min_k=2)
+    return torch.log_softmax(_floored(x).mean(dim=0), dim=-1)
+
+
+def cp_delta_r(
+    logps: Tensor | Sequence[Tensor], *, base: Tensor | None = None, m: int = DEFAULT_M
+) -> Tensor:
+    """CP-Δr (Def. 2.6): ``r(y) = min_i rp_i(y) / Z`` over the RPDs (Def. 2.5), K >= 2.
+
+    NAF-tight under the relative max divergence with ``k_x = D_r(p, q)`` for K = 2 (Thm. 2.7,
+    ``thm:cp_dr``). Returns ``log r``: ``Tensor[*batch, V]``. ``base`` and ``m`` are ignored.
+    """
+    x = _check_logps(logps, "cp-delta-r", min_k=2)
+    y = _floored(x)  # (K, *batch, V)
+    lr = y.sub_(y.mean(dim=-1, keepdim=True))  # (K, *batch, V) log RPDs
+    return torch.log_softmax(lr.amin(dim=0), dim=-1)
+
+
+def scp_delta_r(
+    logps: Tensor | Sequence[Tensor], *, base: Tensor | None = None, m: int = DEFAULT_M
+) -> Tensor:
+    """SCP-Δr (Alg. 1): CP-Δr of the smoothed RPDs ``S_m(rp_i, rb)`` (§4.1), K >= 2.
+
+    Fast path: the smoothed RPDs differ from ``lr_base - c_i`` only on the K·m kept tokens, so
+    ``min_i S_m(rp_i, rb) = lr_base + g`` where ``g = -max_i c_i`` off the union of kept tokens;
+    only the union (``K·m`` entries per row) is computed exactly, and the constant is dropped by
+    the final ``log_softmax``. Equal to ``cp_delta_r`` applied to :func:`smoothed_logps`.
+
+    Args:
+        logps: ``(K, *batch, V)`` constituents' logits or log-probs.
+        base: ``(*batch, V)`` base logits/log-probs, or ``(V,)`` constant logits ('c' variant).
+        m: tokens kept unsmoothed per constituent (1 <= m < V).
+
+    Returns ``log r``: ``Tensor[*batch, V]``.
+    """
+    y, y_base, m = _prepare_scp(logps, base, m, "scp-delta-r", min_k=2)
+    k = y.shape[0]
+    _, d, idx, _, c = _smoothing_parts(y, y_base, m)
+    union = idx.movedim(0, -2).flatten(-2)  # (*batch, K*m), duplicates possible
+    d_union = d.gather(-1, union.unsqueeze(0).expand(k, *union.shape))  # (K, *batch, K*m)
+    kept = (union.unsqueeze(0).unsqueeze(-1) == idx.unsqueeze(-2)).any(dim=-1)  # (K, *b, K*m)
+    g = torch.where(kept, d_union, 0.0).sub_(c).amin(dim=0)  # (*batch, K*m)
+    g_off = c.amax(dim=0).neg_()  # (*batch, 1): g off the union
+    # y_base differs from lr_base by a per-row constant: the log_softmax below absorbs it.
+    u = y_base.scatter(-1, union, y_base.gather(-1, union) + (g - g_off))  # (*batch, V)
+    return torch.log_softmax(u, dim=-1)
+
+
+def scp_delta(
+    logps: Tensor | Sequence[Tensor], *, base: Tensor | None = None, m: int = DEFAULT_M
+) -> Tensor:
+    """SCP-Δ, the paper's ablation (§5.3, "Combining smoothing with raw probabilities").
+
+    Smooth each constituent's RPD with S_m (§4.1), normalize each into a distribution ``p~_i``
+    (:func:`smoothed_logps`), then CP-Δ (Def. 2.2) on those raw probabilities. K >= 2.
+    Returns ``log r``: ``Tensor[*batch, V]``.
+    """
+    x = _check_logps(logps, "scp-delta", min_k=2)
+    lp = torch.log_softmax(_smoothed(x, base, m, "scp-delta"), dim=-1)  # (K, *batch, V) normalized
+    return torch.log_softmax(lp.amin(dim=0), dim=-1)
+
+
+#: Aggregation rules by name (STYLE.md 5, after Opacus ``accountants/registry.py``).
+METHODS: dict[str, Callable[..., Tensor]] = {
+    "none": none,
+    "cp-delta": cp_delta,
+    "cp-kl": cp_kl,
+    "cp-delta-r": cp_delta_r,
+    "scp-delta-r": scp_delta_r,
+    "scp-delta": scp_delta,
+}
+
+
+def aggregate(
+    method: str,
+    logps: Tensor | Sequence[Tensor],
+    *,
+    base: Tensor | None = None,
+    m: int = DEFAULT_M,
+) -> Tensor:
+    """Aggregate K constituents with the NAF rule ``method``: ``Tensor[*batch, V]`` log-probs.
+
+    Args:
+        method: one of :data:`METHODS` ("none", "cp-delta", "cp-kl", "cp-delta-r",
+            "scp-delta-r", "scp-delta").
+        logps: ``(K, *batch, V)`` logits or log-probs; K >= 2 (K = 1 only for "none").
+        base: ``(*batch, V)`` or ``(V,)`` base logits (SCP methods only).
+        m: smoothing level for the SCP methods (1 <= m < V).
+
+    Returns normalized float32 log-probs ``(*batch, V)``; inputs are never modified.
+
+    Raises:
+        ConfigError (a ValueError): unknown method, or m out of range.
+        ValueError: bad shapes, K too small, missing base.
+        VocabularyMismatchError: base and constituents differ in vocabulary size.
+    """
+    try:
+        fn = METHODS[method]
+    except (KeyError, TypeError):
+        hint = (
+            "; CP-Fuse is stateful (it needs the path log-probs): use cp_fuse_step"
+            if method == "cp-fuse"
+            else ""
+        )
+        raise ConfigError(
+            f"unknown NAF method {method!r}; known methods: {', '.join(METHODS)}{hint}"
+        ) from None
+    return fn(logps, base=base, m=m)
+
+
+# --------------------------------------------------------------------------------------------
+# CP-Fuse
+
+
+def _as_grid(grid: Tensor | Sequence[Sequence[float]] | None) -> Tensor:
+    if isinstance(grid, Tensor):
+        g = grid.detach().to(torch.float32)
+    else:
+        g = torch.tensor(CP_FUSE_GRID if grid is None else grid, dtype=torch.float32)
+    if g.ndim != 2 or g.shape[1] != 2 or g.shape[0] < 1:
+        raise ValueError(
+            f"cp_fuse_step: grid must have shape (G, 2) of weight pairs (b1, b2), got "
+            f"{tuple(g.shape)}"
+        )
+    if not torch.isfinite(g).all() or (g < 0).any() or (g.sum(dim=1) <= 0).any():
+        raise ValueError(
+            "cp_fuse_step: grid weights must be finite and >= 0, and no pair may be (0, 0)"
+        )
+    return g
+
+
+def cp_fuse_step(
+    logps: Tensor | Sequence[Tensor],
+    path_logprobs: Tensor | float,
+    *,
+    grid: Tensor | Sequence[Sequence[float]] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One decoding step of CP-Fuse (Abad et al. 2025) for K = 2.
+
+    Chooses ``(b1, b2)`` on ``grid`` (default :data:`CP_FUSE_GRID`) minimizing, per batch row,
+    ``max_i KL(r || p_i) - path_logprob_i`` with ``log r = b1 log p1 + b2 log p2 - A(b)``, where
+    ``path_logprob_i = log p_i(prefix generated so far)`` (0 at the first step, where this is
+    the path-free objective). Uses ``KL(r||p_i) = b1 E_r[log p1] + b2 E_r[log p2] - A - E_r[log
+    p_i]``; the grid is evaluated in chunks of at most :data:`CP_FUSE_CHUNK_ELEMENTS` elements
+    with a running argmin (the first grid point wins ties).
+
+    Args:
+        logps: ``(2, *batch, V)`` logits or log-probs of the two constituents (floored first).
+        path_logprobs: ``(2, *batch)`` (or broadcastable, e.g. ``0.0``) prefix log-probs.
+        grid: ``(G, 2)`` non-negative weight pairs, no ``(0, 0)``.
+
+    Returns ``(log_r, weights)``: ``Tensor[*batch, V]`` normalized log-probs and the chosen
+    ``Tensor[*batch, 2]`` weights.
+    """
+    x = _check_logps(logps, "cp-fuse", min_k=2)
+    if x.shape[0] != 2:
+        raise ValueError(f"cp_fuse_step fuses exactly K = 2 constituents, got K = {x.shape[0]}")
+    batch, vocab = tuple(x.shape[1:-1]), x.shape[-1]
+    path = torch.as_tensor(path_logprobs, dtype=torch.float32, device=x.device)
+    try:
+        path = path.expand((2, *batch))
+    except RuntimeError:
+        raise ValueError(
+            f"cp_fuse_step: path_logprobs shape {tuple(path.shape)} does not broadcast to "
+            f"(2, *batch) = {(2, *batch)}"
+        ) from None
+    g = _as_grid(grid).to(x.device)  # (G, 2)
+    lp = normalize(x).reshape(2, -1, vocab)  # (2, B, V)
+    path = path.reshape(2, -1)  # (2, B)
+    nb = lp.shape[1]
+    chunk = max(1, CP_FUSE_CHUNK_ELEMENTS // max(1, nb * vocab))
+    best_obj = torch.full((nb,), math.inf, device=x.device)
+    best_idx = torch.zeros((nb,), dtype=torch.long, device=x.device)
+    flat = lp.reshape(2, nb * vocab)  # (2, B*V)
+    for start in range(0, g.shape[0], chunk):
+        w = g[start : start + chunk]  # (g, 2)
+        z = (w @ flat).view(-1, nb, vocab)  # (g, B, V)
+        a = torch.logsumexp(z, dim=-1)  # (g, B)
+        r = torch.exp(z.sub_(a.unsqueeze(-1)))  # (g, B, V)
+        e = torch.einsum("gbv,kbv->gbk", r, lp)  # (g, B, 2): E_r[log p_k]
+        cross = (e * w.unsqueeze(1)).sum(-1) - a  # (g, B): sum_y r log r
+        obj = (cross.unsqueeze(-1) - e - path.t().unsqueeze(0)).amax(dim=-1)  # (g, B)
+        val, arg = obj.min(dim=0)  # (B,)
+        better = val < best_obj
+        best_obj = torch.where(better, val, best_obj)
+        best_idx = torch.where(better, arg + start, best_idx)
+    weights = g[best_idx]  # (B, 2)
+    z = weights[:, 0:1] * lp[0] + weights[:, 1:2] * lp[1]  # (B, V)
+    log_r = torch.log_softmax(z, dim=-1)
+    return log_r.reshape(*batch, vocab), weights.reshape(*batch, 2)
