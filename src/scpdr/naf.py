@@ -47,6 +47,7 @@ __all__ = [
     "cp_delta_r",
     "cp_fuse_step",
     "cp_kl",
+    "kept_tokens",
     "none",
     "normalize",
     "rpd",
@@ -261,6 +262,16 @@ def smooth(logp: Tensor, log_base: Tensor, m: int = DEFAULT_M) -> Tensor:
     """
     logp = _as_float32(logp, "smooth: logp")
     return smoothed_rpds(logp.unsqueeze(0), log_base, m)[0]
+
+
+def kept_tokens(logp: Tensor, log_base: Tensor, m: int = DEFAULT_M) -> Tensor:
+    """The m tokens S_m keeps unsmoothed (§4.1): ``LongTensor[*batch, m]`` (unordered).
+
+    The top-m of ``score(y) = p(y) log(rp(y)/rb(y))`` — the same choice :func:`smooth` makes.
+    """
+    logp = _as_float32(logp, "kept_tokens: logp")
+    y, y_base, m = _prepare_scp(logp.unsqueeze(0), log_base, m, "kept_tokens")
+    return _smoothing_parts(y, y_base, m)[2][0]
 
 
 def smoothed_logps(
