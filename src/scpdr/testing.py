@@ -1,0 +1,229 @@
+"""Tiny random-weight models and bundles with the real SmolLM2 tokenizer, for tests and smoke runs
+(STYLE.md 11/12, after PEFT/TRL tiny models: run the real code on a tiny real model, never a mock).
+
+The models are 2-layer Llamas with a small hidden size and the real 49152-token vocabulary, so
+token ids, special tokens and chat templates are those of the embedded base model. Constituents
+are "fine-tuned-like": the base weights plus small perturbations, so their next-token
+distributions are related the way real fine-tunes are (and the NAF bounds are finite and small).
+A constituent can additionally be trained for a few steps to strongly prefer a given text (a
+"memorized secret"), for leakage tests.
+
+Only the tokenizer is taken from the embedded GGUF (once, cached under ``$SCPDR_HOME``); the 25 s
+model conversion is never needed here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "HELD_OUT_PROMPTS",
+    "finetune_on_text",
+    "make_tiny_bundle",
+    "perturbed_copy",
+    "tiny_config",
+    "tiny_model",
+    "tiny_tokenizer",
+]
+
+
+def _held_out_prompts(n: int = 100) -> list[str]:
+    subjects = ["The weather", "My friend", "The report", "A small cat", "This function"]
+    verbs = ["explains", "describes", "shows", "returns", "asks about"]
+    objects = ["the results", "a list of numbers", "the meeting", "an old story", "the answer"]
+    out = []
+    for i in range(n):
+        s, v, o = subjects[i % 5], verbs[(i // 5) % 5], objects[(i // 25) % 5]
+        out.append(f"{s} {v} {o} (example {i}).")
+    return out
+
+
+HELD_OUT_PROMPTS: list[str] = _held_out_prompts()
+"""100 generic held-out prompts, used for tiny bundles' constant base vector."""
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_dir() -> str:
+    from scpdr.models import embedded_tokenizer_dir
+
+    return str(embedded_tokenizer_dir())
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """The real SmolLM2 tokenizer (49152 tokens; bos 1, eos = pad 2), from the cached copy under
+    ``$SCPDR_HOME`` (extracted from the GGUF once, ~10 s). A fresh object per call."""
+    from scpdr.models import load_tokenizer
+
+    return load_tokenizer(_tokenizer_dir())
+
+
+def tiny_config(
+    *,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 64,
+    vocab_size: int = 49152,
+    init_std: float = 0.5,
+    max_position_embeddings: int = 1024,
+):
+    """A tiny ``LlamaConfig`` with SmolLM2's vocabulary and special tokens (tied embeddings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rms_norm_eps=1e-5,
+    )
+
+
+def tiny_model(seed: int = 0, **config_kwargs) -> PreTrainedModel:
+    """A random-weight tiny Llama (``tiny_config(**config_kwargs)``), deterministic in ``seed``,
+    float32, eval mode."""
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_config(**config_kwargs)
+    with _seeded(seed):
+        model = LlamaForCausalLM(cfg)
+    return model.float().eval()
+
+
+class _seeded:
+    """Seed torch's CPU RNG inside the block and restore the previous state afterwards."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        import torch
+
+        self._state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.random.set_rng_state(self._state)
+
+
+def perturbed_copy(model: PreTrainedModel, *, seed: int, scale: float = 0.02) -> PreTrainedModel:
+    """A "fine-tuned-like" copy of ``model``: every weight ``w`` becomes ``w + scale·std(w)·ε``
+    with ε ~ N(0, 1) from ``seed`` (1-D norm weights are left alone). ``model`` is not modified."""
+    import copy
+
+    import torch
+
+    new = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for _, p in sorted(new.named_parameters(), key=lambda kv: kv[0]):
+            if p.ndim < 2:
+                continue
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.add_((scale * p.float().std() * noise).to(p.dtype))
+    return new.eval()
+
+
+def finetune_on_text(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    texts: Sequence[str],
+    *,
+    steps: int = 60,
+    lr: float = 3e-2,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """Train ``model`` in place (a few full-batch Adam steps) until it strongly prefers each of
+    ``texts`` (teacher-forced next tokens): a memorized "secret" for leakage tests. Returns it."""
+    import torch
+
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    labels = ids.masked_fill(mask == 0, -100)
+    with _seeded(seed):
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opt.step()
+    return model.eval()
+
+
+def make_tiny_bundle(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    k: int = 2,
+    scale: float = 0.02,
+    prefer: Mapping[int, str | Sequence[str]] | None = None,
+    method: str = "scp-delta-r",
+    m: int = 10,
+    constant_base: bool = True,
+    hidden_size: int = 32,
+) -> Path:
+    """Build a bundle of tiny random models with the real SmolLM2 tokenizer in ``path`` (seconds).
+
+    Layout: ``path/base`` (a random ``tiny_model(seed)``), ``path/constituent-<i>`` for i < ``k``
+    (``perturbed_copy(base, scale=scale)`` each; with ``prefer={i: text}`` constituent i is also
+    trained to strongly prefer ``text``), ``constant_base.safetensors`` (mean base logits over
+    :data:`HELD_OUT_PROMPTS`, when ``constant_base``) and ``scpdr.json``. Returns ``path``.
+    """
+    from scpdr.models import constant_base_vector, write_bundle
+
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    prefer = dict(prefer or {})
+    bad = [i for i in prefer if not 0 <= i < k]
+    if bad:
+        raise ValueError(f"prefer names constituents {bad}, but k={k}")
+    root = Path(os.fspath(path))
+    root.mkdir(parents=True, exist_ok=True)
+    tok = tiny_tokenizer()
+    base = tiny_model(seed, hidden_size=hidden_size)
+    base.save_pretrained(str(root / "base"))
+    tok.save_pretrained(str(root / "base"))
+    refs = []
+    for i in range(k):
+        c = perturbed_copy(base, seed=1000 * (seed + 1) + i, scale=scale)
+        if i in prefer:
+            texts = prefer[i]
+            finetune_on_text(c, tok, [texts] if isinstance(texts, str) else list(texts), seed=seed)
+        d = root / f"constituent-{i}"
+        c.save_pretrained(str(d))
+        tok.save_pretrained(str(d))
+        refs.append(d)
+    vec = constant_base_vector(base, tok, HELD_OUT_PROMPTS) if constant_base else None
+    return write_bundle(
+        root,
+        base=root / "base",
+        constituents=refs,
+        method=method,
+        m=m,
+        constant_base=vec,
+        extra={
+            "tiny": True,
+            "seed": seed,
+            "scale": scale,
+            "prefer": {str(i): v for i, v in prefer.items()},
+        },
+    )
