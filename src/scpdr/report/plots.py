@@ -1,0 +1,256 @@
+"""The report's figures (matplotlib, no pyplot global state: ``Figure`` + the Agg canvas).
+
+Every function writes one PNG atomically and returns its path, or returns ``None`` when it has no
+data (the report then says the plot was omitted — nothing is faked):
+
+- :func:`bound_histograms` — log-scale histograms of per-position bounds per method: k_x (paper
+  Fig. 2b), t_x (Fig. "t_x bounds", Thm 4.1) and v_x(y_s) (Fig. 3, Thm 4.2), one panel each.
+- :func:`exposure_vs_m` — canary exposure vs the smoothing parameter m, log x (Fig. 4a; mean
+  solid, upper percentile dashed).
+- :func:`tte_vs_epochs` — TTE AUC vs training epochs (Fig. 4b).
+- :func:`lira_roc` — LiRA ROC curves on log-log axes (Carlini et al. 2022 style).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scpdr.io import atomic_write
+from scpdr.report.tables import METHOD_LABELS, METHOD_ORDER
+
+__all__ = ["bound_histograms", "exposure_vs_m", "lira_roc", "method_color", "tte_vs_epochs"]
+
+_COLORS = {
+    "none": "#444444",
+    "cp-delta": "#1f77b4",
+    "cp-kl": "#9467bd",
+    "cp-fuse": "#8c564b",
+    "cp-delta-r": "#ff7f0e",
+    "scp-delta-r-c": "#17becf",
+    "scp-delta-r-b": "#2ca02c",
+    "scp-delta": "#e377c2",
+    "goldfish": "#bcbd22",
+    "none-val": "#999999",
+}
+
+
+def method_color(method: str) -> str:
+    return _COLORS.get(method, "#7f7f7f")
+
+
+def _label(method: str) -> str:
+    return METHOD_LABELS.get(method, method)
+
+
+def _sorted_methods(methods: Iterable[str]) -> list[str]:
+    methods = list(dict.fromkeys(methods))
+    rank = {m: i for i, m in enumerate(METHOD_ORDER)}
+    return sorted(methods, key=lambda m: (rank.get(m, len(rank)), m))
+
+
+def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    return atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110))
+
+
+def _figure(ncols: int = 1, *, width: float = 5.0, height: float = 3.6) -> tuple[Any, list[Any]]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, height))
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def bound_histograms(
+    panels: Mapping[str, Mapping[str, Sequence[float] | np.ndarray]],
+    path: str | os.PathLike[str],
+    *,
+    xlabel: str,
+    floor: float = 1e-6,
+    bins: int = 40,
+) -> Path | None:
+    """One panel per entry of ``panels`` (title → {method: per-position values}); histograms of
+    the values on a log x axis (values below ``floor``, including 0, are drawn at ``floor``)."""
+    panels = {
+        t: {m: np.asarray(v, dtype=np.float64).ravel() for m, v in d.items() if len(v)}
+        for t, d in panels.items()
+    }
+    panels = {t: d for t, d in panels.items() if d}
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels))
+    for ax, (title, dists) in zip(axes, panels.items(), strict=True):
+        finite = np.concatenate([v[np.isfinite(v)] for v in dists.values()])
+        if finite.size == 0:
+            ax.set_title(f"{title} (no finite values)")
+            continue
+        lo = max(float(np.min(np.clip(finite, floor, None))), floor)
+        hi = max(float(np.max(finite)), lo * 10)
+        edges = np.logspace(math.log10(lo), math.log10(hi), bins + 1)
+        for method in _sorted_methods(dists):
+            v = dists[method]
+            v = np.clip(v[np.isfinite(v)], floor, None)
+            ax.hist(
+                v,
+                bins=edges,
+                histtype="step",
+                linewidth=1.6,
+                color=method_color(method),
+                label=f"{_label(method)} (p99 {np.percentile(v, 99):.3g})"
+                if v.size
+                else _label(method),
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("positions")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _sweep_rows(
+    rows: Iterable[Mapping[str, Any]], key: str, attack: str
+) -> list[Mapping[str, Any]]:
+    return [
+        r
+        for r in rows
+        if r.get("sweep") == key and r.get("attack") == attack and r.get("value") is not None
+    ]
+
+
+def _line_series(
+    rows: Sequence[Mapping[str, Any]], metric: str
+) -> dict[str, tuple[list[float], list[float]]]:
+    series: dict[str, dict[float, float]] = {}
+    for r in rows:
+        if r.get("metric") != metric:
+            continue
+        x = r.get("sweep_value")
+        if x is None:
+            continue
+        series.setdefault(r["method"], {})[float(x)] = float(r["value"])
+    return {m: (sorted(d), [d[x] for x in sorted(d)]) for m, d in series.items()}
+
+
+def exposure_vs_m(
+    rows: Iterable[Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    key: str = "m",
+) -> Path | None:
+    """Canary exposure vs m from the rows of a sweep over ``key`` (rows tagged
+    ``sweep == key``, ``sweep_value``): mean solid, 95th/99th percentile dashed, log x axis."""
+    rows = _sweep_rows(rows, key, "canary")
+    # Pooled rows (no repetitions field) or, failing that, repetitions == 3 (paper's setting).
+    pooled = [r for r in rows if r.get("repetitions") is None]
+    if not pooled:
+        reps = sorted({r.get("repetitions") for r in rows if r.get("repetitions") is not None})
+        pick = 3 if 3 in reps else (reps[-1] if reps else None)
+        pooled = [r for r in rows if r.get("repetitions") == pick]
+    means = {}
+    for metric in ("mean", "exposure_mean"):
+        means = _line_series(pooled, metric)
+        if means:
+            break
+    if not means:
+        return None
+    upper: dict[str, tuple[list[float], list[float]]] = {}
+    upper_label = ""
+    for metric, lab in (
+        ("p99", "99%"),
+        ("exposure_p99", "99%"),
+        ("p95", "95%"),
+        ("exposure_p95", "95%"),
+    ):
+        upper = _line_series(pooled, metric)
+        if upper:
+            upper_label = lab
+            break
+    fig, (ax,) = _figure(1)
+    for method in _sorted_methods(means):
+        xs, ys = means[method]
+        ax.plot(xs, ys, "-o", color=method_color(method), label=f"{_label(method)} mean")
+        if method in upper:
+            ux, uy = upper[method]
+            ax.plot(
+                ux, uy, "--", color=method_color(method), label=f"{_label(method)} {upper_label}"
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("smoothing parameter m")
+    ax.set_ylabel("canary exposure (bits)")
+    ax.set_title("Canary exposure vs m")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def tte_vs_epochs(
+    rows: Iterable[Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    key: str = "train.epochs",
+    metric: str = "auc",
+) -> Path | None:
+    """TTE AUC vs the number of training epochs (rows of a sweep over ``key``), one panel per
+    corpus."""
+    rows = _sweep_rows(rows, key, "tte")
+    corpora = list(dict.fromkeys(r.get("corpus") for r in rows))
+    panels = {c: _line_series([r for r in rows if r.get("corpus") == c], metric) for c in corpora}
+    panels = {c: s for c, s in panels.items() if s}
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels))
+    for ax, (corpus, series) in zip(axes, panels.items(), strict=True):
+        for method in _sorted_methods(series):
+            xs, ys = series[method]
+            ax.plot(xs, ys, "-o", color=method_color(method), label=_label(method))
+        ax.set_xlabel("training epochs")
+        ax.set_ylabel(f"TTE {metric.upper()}")
+        ax.set_title(f"TTE {metric.upper()} vs epochs" + (f" ({corpus})" if corpus else ""))
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def lira_roc(
+    curves: Mapping[str, Mapping[str, Sequence[float]]],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "LiRA ROC",
+) -> Path | None:
+    """ROC curves (``{method: {"fpr": [...], "tpr": [...], "auc": float?}}``) on log-log axes with
+    the chance diagonal."""
+    curves = {m: c for m, c in curves.items() if len(c.get("fpr", ())) > 1}
+    if not curves:
+        return None
+    fig, (ax,) = _figure(1, width=4.6, height=4.2)
+    lo = 1.0
+    for method in _sorted_methods(curves):
+        c = curves[method]
+        fpr = np.asarray(c["fpr"], dtype=np.float64)
+        tpr = np.asarray(c["tpr"], dtype=np.float64)
+        pos = fpr[fpr > 0]
+        if pos.size:
+            lo = min(lo, float(pos.min()))
+        auc = c.get("auc")
+        lab = _label(method) + (f" (AUC {float(auc):.2f})" if auc is not None else "")
+        ax.plot(np.clip(fpr, 1e-4, 1), np.clip(tpr, 1e-4, 1), color=method_color(method), label=lab)
+    lo = max(min(lo, 0.01), 1e-4)
+    ax.plot([lo, 1], [lo, 1], ":", color="#888888", label="chance")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, 1)
+    ax.set_ylim(lo, 1)
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel("true positive rate")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)
