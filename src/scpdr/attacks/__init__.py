@@ -1,0 +1,60 @@
+"""Attacks and evaluations of a protected model (paper §5, App. C–D).
+
+Every attack takes a :class:`~scpdr.attacks.scorer.Scorer` — a ``scpdr.ProtectedLM`` under any
+method, or a single model (the "No CP" rows) — and uses only its teacher-forced ``score`` and
+``next_token_logprobs`` (never a constituent). Results are
+:class:`~scpdr.attacks.results.ResultRow` s saved as one JSON list.
+
+- ``exposure``: canary exposure (Carlini et al. 2019), exact or skew-normal extrapolated.
+- ``pii``: adaptive digit-by-digit PII extraction on Names2IDs (AEL, FER).
+- ``tte``: token-by-token extraction (selective-classification accuracy–coverage AUC, ACC).
+- ``lira``: offline LiRA membership inference (ROC AUC, TPR at low FPR, log-scale ROC).
+- ``utility``: next-token accuracy and NLL on held-out data.
+- ``nas``: the normalized attack score of §5.4.
+- ``bounds_analysis``: per-position k_x / t_x / v_x distributions on real prompts (Thms 2.1,
+  2.2, 4.1, 4.2).
+- ``sparps``: the Expected SpaRPS curve B(m) of Fig. 2a (Def. 3.4).
+- ``prop_bounds``: the App. D.4 synthetic illustration of Proposition 4.4.
+
+Submodules import lazily: ``import scpdr.attacks`` loads nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Scorer": "scorer",
+    "LogitsScorer": "scorer",
+    "ResultRow": "results",
+    "save_results": "results",
+    "load_results": "results",
+    "Canary": "exposure",
+    "CanarySpace": "exposure",
+    "canary_exposure": "exposure",
+    "random_canaries": "exposure",
+    "PIIRecord": "pii",
+    "pii_extraction": "pii",
+    "token_by_token_extraction": "tte",
+    "accuracy_coverage_curve": "tte",
+    "lira": "lira",
+    "plot_roc": "lira",
+    "roc_auc": "lira",
+    "utility": "utility",
+    "nas": "nas",
+    "nas_from_rows": "nas",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'scpdr.attacks' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"scpdr.attacks.{mod}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

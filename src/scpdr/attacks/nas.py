@@ -1,0 +1,133 @@
+"""The normalized attack score (NAS), exactly as §5.4 "Main results" defines it (Table "Full
+results", column NAS).
+
+Every attack column (canary mean and 95th percentile, PII AEL and FER, TTE AUC and ACC per
+corpus) is min-max normalized to [0, 1] across the methods (the rows, excluding the STE row),
+and NAS is the weighted average of a method's normalized scores, TTE columns weighted 1/3 "to
+balance the contribution of all attack types". All attack columns are "higher = more leakage",
+so nothing is flipped; utility is not part of NAS. A column whose values are all equal
+normalizes to 0. A method missing a column is averaged over the columns it has.
+
+On the paper's own table this gives No CP .99, CP-Δ .47, CP-Δ_KL .76, CP-Fuse .50, CP-Δr .22,
+SCP-Δr-c .17, SCP-Δr-b .11, No CP-val .002 (``tests/attacks/test_nas.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
+
+from scpdr.attacks.results import ResultRow
+
+__all__ = ["DEFAULT_ATTACK_WEIGHTS", "NAS_METRICS", "nas", "nas_from_rows"]
+
+#: (attack, metric) pairs that enter NAS.
+NAS_METRICS: tuple[tuple[str, str], ...] = (
+    ("canary", "exposure_mean"),
+    ("canary", "exposure_p95"),
+    ("pii", "ael"),
+    ("pii", "fer"),
+    ("tte", "auc"),
+    ("tte", "acc"),
+)
+
+#: Per-attack column weight (§5.4: TTE scores scaled by 1/3).
+DEFAULT_ATTACK_WEIGHTS: Mapping[str, float] = {"canary": 1.0, "pii": 1.0, "tte": 1.0 / 3.0}
+
+
+def nas(
+    table: Mapping[str, Mapping[Hashable, float]],
+    *,
+    weights: Mapping[Hashable, float] | None = None,
+    exclude: Iterable[str] = ("ste",),
+) -> dict[str, float]:
+    """NAS of every method in ``table`` (``{method: {column: value}}``; higher value = more
+    leakage). ``weights`` maps a column to its weight (default 1). Rows named in ``exclude``
+    (case-insensitive) take no part in the min-max and get no NAS."""
+    skip = {e.lower() for e in exclude}
+    rows = {m: cols for m, cols in table.items() if m.lower() not in skip}
+    columns: list[Hashable] = []
+    for cols in rows.values():
+        for c in cols:
+            if c not in columns:
+                columns.append(c)
+    lo, hi = {}, {}
+    for c in columns:
+        vals = [float(cols[c]) for cols in rows.values() if c in cols and _finite(cols[c])]
+        if vals:
+            lo[c], hi[c] = min(vals), max(vals)
+    out = {}
+    for m, cols in rows.items():
+        total = wsum = 0.0
+        for c in columns:
+            if c not in lo or c not in cols or not _finite(cols[c]):
+                continue
+            w = 1.0 if weights is None else float(weights.get(c, 1.0))
+            span = hi[c] - lo[c]
+            norm = (float(cols[c]) - lo[c]) / span if span > 0 else 0.0
+            total += w * norm
+            wsum += w
+        out[m] = total / wsum if wsum > 0 else float("nan")
+    return out
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def _get(row: ResultRow | Mapping[str, Any], key: str) -> Any:
+    if isinstance(row, ResultRow):
+        if hasattr(row, key) and key != "extra":
+            return getattr(row, key)
+        return row.extra.get(key)
+    return row.get(key)
+
+
+def nas_from_rows(
+    rows: Iterable[ResultRow | Mapping[str, Any]],
+    *,
+    attack_weights: Mapping[str, float] = DEFAULT_ATTACK_WEIGHTS,
+    canary_repetitions: int | None = None,
+    exclude: Iterable[str] = ("ste",),
+) -> tuple[dict[str, float], list[ResultRow]]:
+    """NAS from result rows: one column per ``(attack, corpus, metric)`` of :data:`NAS_METRICS`
+    (canary columns of inserted canaries only; baseline rows are not columns). With several
+    canary repetition counts and ``canary_repetitions=None`` every count is a column, weighted
+    ``1/#counts`` so the canary attack keeps its weight; pass a count to use only that one.
+
+    Returns ``({method: NAS}, rows)`` with rows ``(method, "nas", "nas", value)``."""
+    wanted = set(NAS_METRICS)
+    table: dict[str, dict[Hashable, float]] = {}
+    reps_seen: set[int] = set()
+    for r in rows:
+        attack, metric = _get(r, "attack"), _get(r, "metric")
+        if (attack, metric) not in wanted:
+            continue
+        rep = None
+        if attack == "canary":
+            if _get(r, "baseline") or not _get(r, "repetitions"):
+                continue
+            rep = int(_get(r, "repetitions"))
+            if canary_repetitions is not None and rep != canary_repetitions:
+                continue
+            reps_seen.add(rep)
+        col = (attack, _get(r, "corpus"), metric, rep)
+        table.setdefault(str(_get(r, "method")), {})[col] = float(_get(r, "value"))
+    weights: dict[Hashable, float] = {}
+    for cols in table.values():
+        for col in cols:
+            w = float(attack_weights.get(col[0], 1.0))
+            if col[0] == "canary" and reps_seen:
+                w /= len(reps_seen)
+            weights[col] = w
+    scores = nas(table, weights=weights, exclude=exclude)
+    n_cols = len(weights)
+    out_rows = [
+        ResultRow(m, "nas", "nas", v, n_cols, None, None, {"columns": n_cols})
+        for m, v in scores.items()
+    ]
+    return scores, out_rows
