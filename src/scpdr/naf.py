@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -71,6 +72,9 @@ CP_FUSE_GRID: tuple[tuple[float, float], ...] = tuple(
 #: CP-Fuse evaluates the grid in chunks of at most this many (grid point x batch x vocab)
 #: elements, so (batch, G, V) is never materialized at once (64 MiB of float32).
 CP_FUSE_CHUNK_ELEMENTS = 1 << 24
+#: Block length used to find the top-m smoothing scores (see ``_top_m_indices``).
+_TOPK_BLOCK = 64
+_PROB_FLOOR = math.exp(LOG_FLOOR)
 #: Methods that smooth against a base model and therefore need ``base`` and ``m``.
 SCP_METHODS = frozenset({"scp-delta-r", "scp-delta"})
 
@@ -126,7 +130,11 @@ def _check_logps(logps: Tensor | Sequence[Tensor], method: str, *, min_k: int) -
 
 
 def _check_base(base: Tensor | None, logps: Tensor, method: str) -> Tensor:
-    """Validate ``base`` against ``logps`` ``(K, *batch, V)``; return float32 ``(*batch, V)``."""
+    """Validate ``base`` against ``logps`` ``(K, *batch, V)``; return it as float32.
+
+    The result keeps its own shape (``(*batch, V)`` or anything that broadcasts to it, e.g.
+    ``(V,)``); it is not expanded, so per-row work on a constant base is done once.
+    """
     if base is None:
         raise ValueError(
             f"{method} smooths against a base model: pass base=Tensor[*batch, V] (the base "
@@ -148,7 +156,7 @@ def _check_base(base: Tensor | None, logps: Tensor, method: str) -> Tensor:
             f"{method}: base shape {tuple(base.shape)} does not broadcast to the constituents' "
             f"(*batch, V) = {target}; pass base with shape {target} or ({target[-1]},)"
         )
-    return base.expand(target)
+    return base
 
 
 def _check_m(m: int, vocab: int, method: str) -> int:
@@ -164,25 +172,42 @@ def _check_m(m: int, vocab: int, method: str) -> int:
 
 # --------------------------------------------------------------------------------------------
 # floor, RPD, smoothing
+#
+# Speed notes (benchmarks/bench_naf.py): on CPU the fused ``log_softmax``/``softmax`` kernels are
+# faster than ``torch.exp``/``torch.logsumexp`` on the same data, and every fresh tensor of a
+# few hundred KiB costs page faults, so the code below uses the fused kernels, works in place
+# on tensors it created, and never concatenates.
 
 
 def _floored(x: Tensor) -> Tensor:
     """``clamp_min(log_softmax(x), LOG_FLOOR)`` in float32, *not* renormalized: ``(..., V)``.
 
     It differs from :func:`normalize` by a constant per row, which every rule that is invariant
-    to a per-row shift (RPDs, CP-Δr, CP-ΔKL, final ``log_softmax``) uses to skip one logsumexp.
+    to a per-row shift (RPDs, CP-Δr, CP-ΔKL, a final ``log_softmax``) uses to skip the
+    renormalization. ``x`` must be float32; the result is a new tensor.
     """
     return torch.log_softmax(x, dim=-1).clamp_min_(LOG_FLOOR)
+
+
+def _floored_probs(x: Tensor) -> Tensor:
+    """``exp(_floored(x)) = max(softmax(x), e^LOG_FLOOR)``, a new float32 tensor ``(..., V)``."""
+    return torch.softmax(x, dim=-1).clamp_min_(_PROB_FLOOR)
+
+
+def _normalized(x: Tensor) -> Tensor:
+    """:func:`normalize` without validation (``x`` float32)."""
+    log_z = _floored_probs(x).sum(dim=-1, keepdim=True).log_()  # (..., 1), >= 0
+    return _floored(x).sub_(log_z)
 
 
 def normalize(x: Tensor) -> Tensor:
     """Log-probabilities with the e^-20 floor of §2.1: ``Tensor[..., V]`` -> ``Tensor[..., V]``.
 
-    ``log_softmax`` in float32, ``clamp_min(LOG_FLOOR)``, then renormalize with ``logsumexp``.
+    ``log_softmax`` in float32, ``clamp_min(LOG_FLOOR)``, then renormalize: subtract
+    ``log Z = logsumexp(clamped)``, computed as ``log sum_y max(softmax(x)(y), e^-20)``.
     Accepts logits or log-probabilities (any float dtype); returns float32.
     """
-    y = _floored(_as_float32(x, "normalize: x"))
-    return y - torch.logsumexp(y, dim=-1, keepdim=True)
+    return _normalized(_as_float32(x, "normalize: x"))
 
 
 def rpd(logp: Tensor) -> Tensor:
@@ -192,46 +217,80 @@ def rpd(logp: Tensor) -> Tensor:
     last dimension. ``logp`` (logits or log-probs) is floored first (:func:`normalize`).
     """
     y = _floored(_as_float32(logp, "rpd: logp"))
-    return y - y.mean(dim=-1, keepdim=True)
+    return y.sub_(y.mean(dim=-1, keepdim=True))
 
 
-def _smoothing_parts(
-    y: Tensor, y_base: Tensor, m: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The pieces of S_m (§4.1) for K floored constituents at once.
+def _block_size(vocab: int, m: int) -> int:
+    """Block length for :func:`_top_m_indices`, or 0 to use a plain ``torch.topk``."""
+    for blk in range(_TOPK_BLOCK, _TOPK_BLOCK // 4, -1):
+        if vocab % blk == 0:
+            return blk if m * blk * 4 <= vocab else 0
+    return 0
 
-    Args:
-        y: ``(K, *batch, V)`` floored constituent log-probs (any per-row shift).
-        y_base: ``(*batch, V)`` floored base log-probs (any per-row shift).
-        m: tokens kept unsmoothed.
 
-    Returns ``(lr_base, d, idx, d_top, c)``: the base RPD ``(*batch, V)``; ``d = log rp - log rb``
-    ``(K, *batch, V)``; the kept tokens ``idx`` ``(K, *batch, m)`` (top-m of
-    ``score = p * log(rp/rb)``, ties broken by ``torch.topk``); ``d_top = d[idx]``
-    ``(K, *batch, m)``; and the re-centring constant ``c = sum(d_top) / V`` ``(K, *batch, 1)``, so
-    that ``S_m(rp, rb) = lr_base + d * [y in idx] - c`` (``log beta = -c``).
+def _top_m_indices(score: Tensor, m: int) -> Tensor:
+    """Indices of the m largest entries of each row: ``(..., V)`` -> ``LongTensor[..., m]``.
+
+    Same set as ``torch.topk(score, m).indices`` (up to ties, broken arbitrarily), but faster
+    for m << V: the rows are cut into blocks, the m blocks with the largest maxima are kept (they
+    must contain the top m: an entry outside them is beaten by the m block maxima), and the top
+    m of those ``m * block`` candidates is taken.
     """
-    vocab = y.shape[-1]
-    lr_base = y_base - y_base.mean(dim=-1, keepdim=True)  # (*batch, V)
-    d = y - y.mean(dim=-1, keepdim=True)  # (K, *batch, V): log rp
-    d = d.sub_(lr_base)  # (K, *batch, V): log rp - log rb
-    # p = exp(y - logZ) with logZ constant per row: the same top-m as exp(y) * d.
-    score = torch.exp(y).mul_(d)  # (K, *batch, V)
-    idx = torch.topk(score, m, dim=-1, sorted=False).indices  # (K, *batch, m)
+    vocab = score.shape[-1]
+    blk = _block_size(vocab, m)
+    if blk == 0:
+        return torch.topk(score, m, dim=-1, sorted=False).indices
+    lead = score.shape[:-1]
+    blocks = score.reshape(-1, vocab // blk, blk)  # (R, nb, blk)
+    top_blocks = torch.topk(blocks.amax(dim=-1), m, dim=-1, sorted=False).indices  # (R, m)
+    cand = blocks.gather(1, top_blocks.unsqueeze(-1).expand(-1, m, blk))  # (R, m, blk)
+    j = torch.topk(cand.reshape(-1, m * blk), m, dim=-1, sorted=False).indices  # (R, m)
+    idx = top_blocks.gather(1, j.div(blk, rounding_mode="floor")).mul_(blk).add_(j % blk)
+    return idx.reshape(*lead, m)
+
+
+class _Smoothing(NamedTuple):
+    """The pieces of S_m (§4.1) for K constituents; see :func:`_smoothing`."""
+
+    y_base: Tensor  # (*batch, V) or broadcastable: floored base log-probs (shifted per row)
+    mu_base: Tensor  # (..., 1): mean of y_base, so lr_base = y_base - mu_base
+    d: Tensor  # (K, *batch, V): log rp_i - log rb
+    idx: Tensor  # (K, *batch, m): kept tokens
+    d_top: Tensor  # (K, *batch, m): d at the kept tokens
+    c: Tensor  # (K, *batch, 1): sum(d_top) / V, so S_m(rp_i, rb) = lr_base + d [kept] - c
+
+
+def _smoothing(x: Tensor, base: Tensor, m: int) -> _Smoothing:
+    """S_m (§4.1) of K float32 constituents ``x`` ``(K, *batch, V)`` against float32 ``base``.
+
+    ``S_m(rp, rb)(y) = beta rp(y)`` on the m tokens of largest ``score = p log(rp/rb)`` and
+    ``beta rb(y)`` elsewhere, with ``log beta = -c`` so that the mean log is 0. ``p`` is the
+    floored constituent; its normalizing constant does not change the order of the scores, so
+    ``exp(_floored(x)) * d`` ranks the tokens.
+    """
+    vocab = x.shape[-1]
+    y = _floored(x)  # (K, *batch, V)
+    y_base = _floored(base)  # base's own shape
+    mu_base = y_base.mean(dim=-1, keepdim=True)
+    d = torch.sub(y, y_base)  # (K, *batch, V)
+    d.sub_(y.mean(dim=-1, keepdim=True) - mu_base)  # log rp - log rb
+    score = _floored_probs(x).mul_(d)  # (K, *batch, V)
+    idx = _top_m_indices(score, m)  # (K, *batch, m)
     d_top = d.gather(-1, idx)  # (K, *batch, m)
-    c = d_top.sum(dim=-1, keepdim=True) / vocab  # (K, *batch, 1)
-    return lr_base, d, idx, d_top, c
+    c = d_top.sum(dim=-1, keepdim=True).div_(vocab)  # (K, *batch, 1)
+    return _Smoothing(y_base, mu_base, d, idx, d_top, c)
 
 
-def _prepare_scp(
+def _smoothed(
     logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int, method: str, *, min_k: int = 1
-) -> tuple[Tensor, Tensor, int]:
-    """Validate and floor constituents and base in one pass: ``(K, *b, V)``, ``(*b, V)``, m."""
+) -> Tensor:
+    """Dense smoothed RPDs ``log S_m(rp_i, rb)``: ``(K, *batch, V)``."""
     x = _check_logps(logps, method, min_k=min_k)
     b = _check_base(base, x, method)
     m = _check_m(m, x.shape[-1], method)
-    y = _floored(torch.cat([x, b.unsqueeze(0)], dim=0))  # (K+1, *batch, V), a new tensor
-    return y[:-1], y[-1], m
+    sm = _smoothing(x, b, m)
+    s = (sm.y_base - sm.mu_base).expand(sm.d.shape).clone()  # (K, *batch, V): lr_base
+    return s.scatter_add_(-1, sm.idx, sm.d_top).sub_(sm.c)
 
 
 def smoothed_rpds(
@@ -245,13 +304,6 @@ def smoothed_rpds(
     return _smoothed(logps, base, m, "smoothed_rpds")
 
 
-def _smoothed(logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int, method: str) -> Tensor:
-    y, y_base, m = _prepare_scp(logps, base, m, method)
-    lr_base, d, idx, d_top, c = _smoothing_parts(y, y_base, m)
-    s = torch.zeros_like(d).scatter_(-1, idx, d_top)  # (K, *batch, V)
-    return s.add_(lr_base).sub_(c)
-
-
 def smooth(logp: Tensor, log_base: Tensor, m: int = DEFAULT_M) -> Tensor:
     """``log S_m(rp, rb)`` (§4.1) of one distribution: ``Tensor[*batch, V]`` (mean log 0).
 
@@ -261,7 +313,7 @@ def smooth(logp: Tensor, log_base: Tensor, m: int = DEFAULT_M) -> Tensor:
         m: number of tokens that keep p's relative probability (1 <= m < V).
     """
     logp = _as_float32(logp, "smooth: logp")
-    return smoothed_rpds(logp.unsqueeze(0), log_base, m)[0]
+    return _smoothed(logp.unsqueeze(0), log_base, m, "smooth")[0]
 
 
 def kept_tokens(logp: Tensor, log_base: Tensor, m: int = DEFAULT_M) -> Tensor:
@@ -269,9 +321,10 @@ def kept_tokens(logp: Tensor, log_base: Tensor, m: int = DEFAULT_M) -> Tensor:
 
     The top-m of ``score(y) = p(y) log(rp(y)/rb(y))`` — the same choice :func:`smooth` makes.
     """
-    logp = _as_float32(logp, "kept_tokens: logp")
-    y, y_base, m = _prepare_scp(logp.unsqueeze(0), log_base, m, "kept_tokens")
-    return _smoothing_parts(y, y_base, m)[2][0]
+    x = _check_logps(_as_float32(logp, "kept_tokens: logp").unsqueeze(0), "kept_tokens", min_k=1)
+    b = _check_base(log_base, x, "kept_tokens")
+    m = _check_m(m, x.shape[-1], "kept_tokens")
+    return _smoothing(x, b, m).idx[0]
 
 
 def smoothed_logps(
@@ -282,8 +335,7 @@ def smoothed_logps(
     ``log p~_i = log S_m(rp_i, rb) - logsumexp(log S_m(rp_i, rb))`` (normalized log-probs). SCP-Δr
     is CP-Δr of these, so its NAF bound is computed on them (``scpdr.bounds``).
     """
-    s = smoothed_rpds(logps, base, m)
-    return torch.log_softmax(s, dim=-1)
+    return torch.log_softmax(_smoothed(logps, base, m, "smoothed_logps"), dim=-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,7 +347,7 @@ def none(
 ) -> Tensor:
     """No aggregation: constituent 0, floored and normalized (the "No CP" rows). K >= 1."""
     x = _check_logps(logps, "none", min_k=1)
-    return normalize(x[0])
+    return _normalized(x[0])
 
 
 def cp_delta(
@@ -307,9 +359,7 @@ def cp_delta(
     ``base`` and ``m`` are ignored. Returns ``log r``: ``Tensor[*batch, V]``.
     """
     x = _check_logps(logps, "cp-delta", min_k=2)
-    y = _floored(x)  # (K, *batch, V)
-    y = y.sub_(torch.logsumexp(y, dim=-1, keepdim=True))  # normalized: the min needs it
-    return torch.log_softmax(y.amin(dim=0), dim=-1)
+    return torch.log_softmax(_normalized(x).amin(dim=0), dim=-1)
 
 
 def cp_kl(
@@ -343,10 +393,11 @@ def scp_delta_r(
 ) -> Tensor:
     """SCP-Δr (Alg. 1): CP-Δr of the smoothed RPDs ``S_m(rp_i, rb)`` (§4.1), K >= 2.
 
-    Fast path: the smoothed RPDs differ from ``lr_base - c_i`` only on the K·m kept tokens, so
-    ``min_i S_m(rp_i, rb) = lr_base + g`` where ``g = -max_i c_i`` off the union of kept tokens;
-    only the union (``K·m`` entries per row) is computed exactly, and the constant is dropped by
-    the final ``log_softmax``. Equal to ``cp_delta_r`` applied to :func:`smoothed_logps`.
+    Equal to :func:`cp_delta_r` without its floor applied to :func:`smoothed_logps`, computed
+    sparsely: ``S_m(rp_i, rb) = lr_base - c_i`` except on the m tokens kept for constituent i,
+    so ``min_i S_m(rp_i, rb) = lr_base + g`` with ``g = -max_i c_i`` off the union U of kept
+    tokens. Only the ``K·m`` entries of U are computed exactly; the constant is absorbed by the
+    final ``log_softmax`` (as is the per-row shift between ``lr_base`` and the floored base).
 
     Args:
         logps: ``(K, *batch, V)`` constituents' logits or log-probs.
@@ -355,16 +406,20 @@ def scp_delta_r(
 
     Returns ``log r``: ``Tensor[*batch, V]``.
     """
-    y, y_base, m = _prepare_scp(logps, base, m, "scp-delta-r", min_k=2)
-    k = y.shape[0]
-    _, d, idx, _, c = _smoothing_parts(y, y_base, m)
-    union = idx.movedim(0, -2).flatten(-2)  # (*batch, K*m), duplicates possible
-    d_union = d.gather(-1, union.unsqueeze(0).expand(k, *union.shape))  # (K, *batch, K*m)
-    kept = (union.unsqueeze(0).unsqueeze(-1) == idx.unsqueeze(-2)).any(dim=-1)  # (K, *b, K*m)
-    g = torch.where(kept, d_union, 0.0).sub_(c).amin(dim=0)  # (*batch, K*m)
-    g_off = c.amax(dim=0).neg_()  # (*batch, 1): g off the union
-    # y_base differs from lr_base by a per-row constant: the log_softmax below absorbs it.
-    u = y_base.scatter(-1, union, y_base.gather(-1, union) + (g - g_off))  # (*batch, V)
+    x = _check_logps(logps, "scp-delta-r", min_k=2)
+    b = _check_base(base, x, "scp-delta-r")
+    m = _check_m(m, x.shape[-1], "scp-delta-r")
+    k, batch = x.shape[0], tuple(x.shape[1:-1])
+    sm = _smoothing(x, b, m)
+    union = sm.idx.movedim(0, -2).reshape(*batch, k * m)  # (*batch, K*m), duplicates possible
+    d_union = sm.d.gather(-1, union.unsqueeze(0).expand(k, *union.shape))  # (K, *batch, K*m)
+    kept = (union.unsqueeze(0).unsqueeze(-1) == sm.idx.unsqueeze(-2)).any(dim=-1)  # same
+    g = torch.where(kept, d_union, 0.0).sub_(sm.c).amin(dim=0)  # (*batch, K*m)
+    g.add_(sm.c.amax(dim=0))  # minus g off the union, (*batch, 1)
+    y_base = sm.y_base
+    if tuple(y_base.shape) != tuple(x.shape[1:]):  # a broadcast base ('c' variant)
+        y_base = y_base.expand(x.shape[1:]).contiguous()
+    u = y_base.scatter_(-1, union, y_base.gather(-1, union).add_(g))  # (*batch, V), in place
     return torch.log_softmax(u, dim=-1)
 
 
@@ -377,9 +432,8 @@ def scp_delta(
     (:func:`smoothed_logps`), then CP-Δ (Def. 2.2) on those raw probabilities. K >= 2.
     Returns ``log r``: ``Tensor[*batch, V]``.
     """
-    x = _check_logps(logps, "scp-delta", min_k=2)
-    lp = torch.log_softmax(_smoothed(x, base, m, "scp-delta"), dim=-1)  # (K, *batch, V) normalized
-    return torch.log_softmax(lp.amin(dim=0), dim=-1)
+    s = _smoothed(logps, base, m, "scp-delta", min_k=2)  # (K, *batch, V)
+    return torch.log_softmax(torch.log_softmax(s, dim=-1).amin(dim=0), dim=-1)
 
 
 #: Aggregation rules by name (STYLE.md 5, after Opacus ``accountants/registry.py``).
