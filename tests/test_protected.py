@@ -1,0 +1,412 @@
+"""ProtectedLM on tiny real models: cached decoding vs an uncached reference built directly from
+``scpdr.naf``/``scpdr.bounds``, batching, scoring, sampling, stop handling, bundles, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from scpdr import bounds, models, naf, testing
+from scpdr.errors import BundleError
+from scpdr.protected import METHODS, Generation, ProtectedLM, ScoreOutput
+
+SECRET = "My secret code is 8675309.<|im_end|>"
+PROMPTS = ["My secret code is", "Hello there, how are", "x"]
+# (method, variant) of every configuration the runtime offers
+CONFIGS = [
+    ("none", None),
+    ("cp-delta", None),
+    ("cp-kl", None),
+    ("cp-delta-r", None),
+    ("scp-delta-r", "b"),
+    ("scp-delta-r", "c"),
+    ("scp-delta", "b"),
+    ("cp-fuse", None),
+]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return testing.make_tiny_bundle(tmp_path_factory.mktemp("b") / "bundle", prefer={0: SECRET})
+
+
+@pytest.fixture(scope="module")
+def parts(bundle):
+    mf = models.read_bundle(bundle)
+    cons = [models.load_model(mf.resolve(bundle, r)) for r in mf.constituents]
+    base = models.load_model(mf.resolve(bundle, mf.base))
+    return {
+        "tok": models.load_tokenizer(mf.resolve(bundle, mf.tokenizer)),
+        "cons": cons,
+        "base": base,
+        "vec": models.load_constant_base(bundle),
+    }
+
+
+def _lm(parts, method, variant=None, **kw):
+    base = {"b": {"base_model": parts["base"]}, "c": {"base_vector": parts["vec"]}}.get(variant, {})
+    cons = parts["cons"][:1] if kw.pop("single", False) else parts["cons"]
+    return ProtectedLM(cons, parts["tok"], method=method, m=kw.pop("m", 10), **base, **kw)
+
+
+def _ref_step(parts, method, variant, ids, path):
+    """Uncached reference: full forward of the whole prefix ``ids`` (1, T) through each model,
+    then naf/bounds directly. Returns (log_r (V,), k_x, t_x, logps (K, V))."""
+    with torch.inference_mode():
+        cons = parts["cons"][:1] if method == "none" else parts["cons"]
+        logps = torch.stack([m(input_ids=ids).logits[0, -1].float() for m in cons])  # (K, V)
+        base = None
+        if variant == "b":
+            base = parts["base"](input_ids=ids).logits[0, -1].float()
+        elif variant == "c":
+            base = parts["vec"]
+        if method == "none":
+            return naf.aggregate("none", logps), math.inf, math.inf, logps
+        if method == "cp-fuse":
+            log_r, _ = naf.cp_fuse_step(logps, path)
+            kx = float(bounds.max_divergence(log_r, naf.normalize(logps)).amax())
+            return log_r, kx, kx, logps
+        log_r = naf.aggregate(method, logps, base=base, m=10)
+        kx = float(bounds.k_x(method, logps, base=base, m=10))
+        tx = float(bounds.t_x(method, logps, base=base, m=10, ref=None))
+        return log_r, kx, tx, logps
+
+
+def _ref_greedy(parts, method, variant, prompt_ids, n):
+    ids = torch.tensor([prompt_ids])
+    path = torch.zeros(2)
+    toks, lps, kxs, txs = [], [], [], []
+    for _ in range(n):
+        log_r, kx, tx, logps = _ref_step(parts, method, variant, ids, path)
+        y = int(log_r.argmax())
+        if method == "cp-fuse":
+            path = path + naf.normalize(logps)[:, y]
+        toks.append(y)
+        lps.append(float(log_r[y]))
+        kxs.append(kx)
+        txs.append(tx)
+        ids = torch.cat([ids, torch.tensor([[y]])], dim=1)
+    return toks, lps, kxs, txs
+
+
+@pytest.mark.parametrize(("method", "variant"), CONFIGS)
+def test_cached_batched_decoding_equals_uncached_reference(parts, method, variant):
+    lm = _lm(parts, method, variant)
+    n = 3 if method == "cp-fuse" else 5
+    prompts = PROMPTS[:2]
+    gens = lm.generate(prompts, max_new_tokens=n, stop_at_eos=False)
+    assert lm.name == (f"{method}-{variant}" if variant else method)
+    for g, p in zip(gens, prompts, strict=True):
+        toks, lps, kxs, txs = _ref_greedy(parts, method, variant, g.prompt_token_ids, n)
+        assert g.token_ids == toks
+        assert g.logprobs == pytest.approx(lps, abs=1e-4)
+        assert g.k_x == pytest.approx(kxs, abs=1e-4, rel=1e-4)
+        assert g.t_x == pytest.approx(txs, abs=1e-4, rel=1e-4)
+        assert g.prompt_token_ids == parts["tok"](p)["input_ids"]
+        assert g.finish_reason == "length" and len(g.token_ids) == n
+
+
+def test_certificates_are_finite_and_small_for_scp(parts):
+    g = _lm(parts, "scp-delta-r", "b").generate(PROMPTS[:1], max_new_tokens=4)[0]
+    assert all(0 <= k < 0.05 for k in g.k_x)  # smoothing: D_r on 2m of V tokens (Prop. 3.3)
+    h = _lm(parts, "cp-delta-r").generate(PROMPTS[:1], max_new_tokens=4)[0]
+    assert min(h.k_x) > max(g.k_x)
+
+
+def test_none_runs_only_constituent_zero(parts):
+    lm = _lm(parts, "none")
+    assert lm._run == parts["cons"][:1]
+    g = lm.generate(["My secret code is"], max_new_tokens=12)[0]
+    assert g.text.startswith(" 8675309")  # constituent 0 memorized the secret ...
+    assert g.token_ids[-1] == 2 and g.finish_reason == "stop"  # ... and its <|im_end|>
+    assert all(math.isinf(k) for k in g.k_x)
+    protected = _lm(parts, "scp-delta-r", "b").generate(["My secret code is"], max_new_tokens=6)
+    assert "8675309" not in protected[0].text
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_none_greedy_equals_hf_generate(parts, left):
+    tok = parts["tok"]
+    model = parts["cons"][0]
+    lm = ProtectedLM.from_model(model, tok)
+    prompts = ["My secret code is", "Hello there"] if left else ["Hello there, how are"]
+    ours = lm.generate(prompts, max_new_tokens=10)
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=2)
+    for i, g in enumerate(ours):
+        hf = out[i, enc["input_ids"].shape[1] :].tolist()
+        if 2 in hf:  # HF pads finished rows after eos
+            hf = hf[: hf.index(2) + 1]
+        assert g.token_ids == hf
+
+
+@pytest.mark.parametrize(("method", "variant"), [("scp-delta-r", "b"), ("cp-fuse", None)])
+def test_batched_with_padding_equals_one_by_one(parts, method, variant):
+    lm = _lm(parts, method, variant)
+    n = [2, 4, 3] if method == "cp-fuse" else [3, 7, 5]  # rows finish at different steps
+    batch = lm.generate(PROMPTS, max_new_tokens=n, stop_at_eos=False)
+    for p, k, g in zip(PROMPTS, n, batch, strict=True):
+        single = lm.generate([p], max_new_tokens=k, stop_at_eos=False)[0]
+        assert g.token_ids == single.token_ids and len(g.token_ids) == k
+        assert g.logprobs == pytest.approx(single.logprobs, abs=1e-4)
+        assert g.k_x == pytest.approx(single.k_x, abs=1e-4, rel=1e-4)
+
+
+def _padded(tok, texts, side):
+    tok.padding_side = side
+    enc = tok(texts, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@pytest.mark.parametrize(
+    ("method", "variant"), [("scp-delta-r", "b"), ("scp-delta-r", "c"), ("cp-delta", None)]
+)
+def test_score_agrees_with_next_token_logprobs(parts, method, variant):
+    lm = _lm(parts, method, variant)
+    texts = ["My secret code is 8675", "a b", "Hello there, how are you"]
+    ids, mask = _padded(parts["tok"], texts, "right")
+    ids0, mask0 = ids.clone(), mask.clone()
+    out = lm.score(ids, mask, full=True, greedy=True, k_x=True, t_x=True)
+    assert isinstance(out, ScoreOutput)
+    assert torch.equal(ids, ids0) and torch.equal(mask, mask0)  # inputs untouched
+    plain = lm.score(ids, mask)
+    assert plain.shape == (3, ids.shape[1] - 1)
+    torch.testing.assert_close(plain, out.token_logprobs)
+    for b in range(3):
+        n = int(mask[b].sum())
+        for t in range(ids.shape[1] - 1):
+            if t + 1 >= n:
+                assert out.token_logprobs[b, t] == 0.0 and out.k_x[b, t] == 0.0
+                assert out.greedy[b, t] == -1
+                continue
+            nt = lm.next_token_logprobs(ids[b : b + 1, : t + 1], mask[b : b + 1, : t + 1])[0]
+            torch.testing.assert_close(out.logprobs[b, t], nt, atol=1e-4, rtol=1e-4)
+            assert abs(float(out.token_logprobs[b, t]) - float(nt[ids[b, t + 1]])) < 1e-4
+            assert int(out.greedy[b, t]) == int(nt.argmax())
+    # left padding gives the same numbers at the same tokens
+    lids, lmask = _padded(parts["tok"], texts, "left")
+    left = lm.score(lids, lmask)
+    for b in range(3):
+        n = int(mask[b].sum())
+        torch.testing.assert_close(left[b, -(n - 1) :], plain[b, : n - 1], atol=1e-4, rtol=1e-4)
+        assert (left[b, : -(n - 1)] == 0).all() if n - 1 < left.shape[1] else True
+    # next_token_logprobs on padded batches equals the unpadded rows
+    nt_left = lm.next_token_logprobs(lids, lmask)
+    nt_right = lm.next_token_logprobs(ids, mask)
+    torch.testing.assert_close(nt_left, nt_right, atol=1e-4, rtol=1e-4)
+
+
+def test_score_k_x_matches_bounds_and_components(parts):
+    lm = _lm(parts, "scp-delta-r", "b")
+    ids, mask = _padded(parts["tok"], ["Hello there, how are you"], "right")
+    out = lm.score(ids, mask, k_x=True, t_x=True, components=True)
+    comps = out.components
+    assert comps.logps.shape == (2, 1, ids.shape[1] - 1, 49152)
+    assert comps.base.shape == (1, ids.shape[1] - 1, 49152)
+    kx = bounds.k_x("scp-delta-r", comps.logps, base=comps.base, m=10)
+    tx = bounds.t_x("scp-delta-r", comps.logps, base=comps.base, m=10)
+    torch.testing.assert_close(out.k_x, kx, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.t_x, tx, atol=1e-5, rtol=1e-4)
+    c = _lm(parts, "scp-delta-r", "c").score(ids, mask, components=True).components
+    assert c.base.shape == (49152,)
+
+
+def test_score_chunking_does_not_change_results(parts):
+    texts = ["My secret code is 8675", "a b", "Hello there, how are you", "x y z"]
+    ids, mask = _padded(parts["tok"], texts, "left")
+    big = _lm(parts, "scp-delta-r", "b").score(ids, mask, k_x=True)
+    small = _lm(parts, "scp-delta-r", "b", score_chunk_elements=1).score(ids, mask, k_x=True)
+    torch.testing.assert_close(big.token_logprobs, small.token_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(big.k_x, small.k_x, atol=1e-5, rtol=1e-5)
+
+
+def test_cp_fuse_score_uses_prefix_path_logprobs(parts):
+    lm = _lm(parts, "cp-fuse")
+    ids = parts["tok"](["Hello there, how"], return_tensors="pt")["input_ids"]
+    got = lm.score(ids)
+    path = torch.zeros(2)
+    for t in range(ids.shape[1] - 1):
+        log_r, _, _, logps = _ref_step(parts, "cp-fuse", None, ids[:, : t + 1], path)
+        y = int(ids[0, t + 1])
+        assert abs(float(got[0, t]) - float(log_r[y])) < 1e-4
+        path = path + naf.normalize(logps)[:, y]
+    # position 0 is path-free: next_token_logprobs agrees there
+    nt = lm.next_token_logprobs(ids[:, :1])
+    assert abs(float(nt[0, ids[0, 1]]) - float(got[0, 0])) < 1e-4
+
+
+def test_sampling_is_reproducible_and_row_independent(parts):
+    lm = _lm(parts, "scp-delta-r", "b")
+    kw = {"max_new_tokens": 6, "temperature": 1.0, "stop_at_eos": False}
+    a = lm.generate(PROMPTS[:2], seed=[7, 8], **kw)
+    b = lm.generate(PROMPTS[:2], seed=[7, 8], **kw)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    alone = lm.generate(PROMPTS[1:2], seed=8, **kw)[0]
+    assert alone.token_ids == a[1].token_ids  # a row's tokens do not depend on its batch
+    other = lm.generate(PROMPTS[:2], seed=[1, 2], **kw)
+    assert [g.token_ids for g in other] != [g.token_ids for g in a]
+    greedy = lm.generate(PROMPTS[:2], max_new_tokens=6, stop_at_eos=False)
+    tiny_p = lm.generate(PROMPTS[:2], top_p=1e-6, seed=3, **kw)
+    top1 = lm.generate(PROMPTS[:2], top_k=1, seed=3, **kw)
+    assert [g.token_ids for g in tiny_p] == [g.token_ids for g in greedy]
+    assert [g.token_ids for g in top1] == [g.token_ids for g in greedy]
+    # top-k: every sampled token is among the k most likely tokens of r
+    g = lm.generate(PROMPTS[:1], top_k=3, top_logprobs=3, seed=5, **kw)[0]
+    for tok, top in zip(g.token_ids, g.top_logprobs, strict=True):
+        assert tok in [t for t, _ in top]
+    # per-prompt parameters: a greedy row and a sampled row in one batch
+    mixed = lm.generate(
+        PROMPTS[:2], temperature=[0.0, 1.0], seed=[None, 8], max_new_tokens=6, stop_at_eos=False
+    )
+    assert mixed[0].token_ids == greedy[0].token_ids and mixed[1].token_ids == a[1].token_ids
+    torch.manual_seed(0)
+    u = lm.generate(PROMPTS[:1], **kw)[0]
+    torch.manual_seed(0)
+    assert lm.generate(PROMPTS[:1], **kw)[0].token_ids == u.token_ids
+
+
+def test_top_logprobs_are_sorted_and_match_greedy(parts):
+    g = _lm(parts, "cp-delta-r").generate(PROMPTS[:1], max_new_tokens=3, top_logprobs=4)[0]
+    for tok, lp, top in zip(g.token_ids, g.logprobs, g.top_logprobs, strict=True):
+        assert len(top) == 4 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert top[0][0] == tok and top[0][1] == pytest.approx(lp)
+
+
+def test_stop_strings_max_tokens_and_stream(parts):
+    lm = _lm(parts, "cp-delta")
+    full = lm.generate(PROMPTS[1:2], max_new_tokens=12, stop_at_eos=False)[0]
+    assert len(full.token_ids) == 12 and full.finish_reason == "length"
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    cut = full.text.find(stop)
+    g = lm.generate(PROMPTS[1:2], max_new_tokens=12, stop=[stop], stop_at_eos=False)[0]
+    assert g.text == full.text[:cut] and g.finish_reason == "stop"
+    assert g.token_ids == full.token_ids[: len(g.token_ids)] and len(g.token_ids) < 12
+    # per-prompt stop lists; streamed deltas add up to the text; last event carries the reason
+    events = list(
+        lm.generate_stream(PROMPTS[:2], max_new_tokens=12, stop=[None, [stop]], stop_at_eos=False)
+    )
+    text1 = "".join(e.text_delta for e in events if e.index == 1)
+    assert text1 == g.text
+    last = [e for e in events if e.index == 1][-1]
+    assert last.finish_reason == "stop" and all(
+        e.finish_reason is None for e in events if e.index == 1 and e is not last
+    )
+    zero = lm.generate(PROMPTS[:2], max_new_tokens=[0, 2])
+    assert zero[0] == Generation("", [], [], [], [], None, "length", zero[0].prompt_token_ids)
+    assert len(zero[1].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": [1, 2, 3]}, "seed has 3 entries"),
+        ({"stop": [""]}, "stop strings"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+    ],
+)
+def test_bad_generate_arguments(parts, kwargs, match):
+    lm = _lm(parts, "cp-delta")
+    with pytest.raises(ValueError, match=match):
+        lm.generate(PROMPTS[:2], **kwargs)
+    with pytest.raises(ValueError, match=match):
+        lm.generate_stream(PROMPTS[:2], **kwargs)  # validated before the first event
+
+
+def test_bad_inputs_and_construction(parts, bundle, tmp_path):
+    lm = _lm(parts, "cp-delta")
+    for bad in ([""], [], [[]], "a string"):
+        with pytest.raises(ValueError, match=r"empty|list"):
+            lm.generate(bad)
+    with pytest.raises(ValueError, match="all zeros"):
+        lm.score(torch.tensor([[1, 2]]), torch.tensor([[0, 0]]))
+    with pytest.raises(ValueError, match="token ids"):
+        lm.next_token_logprobs(torch.tensor([[1, 10**6]]))
+    with pytest.raises(ValueError, match="unknown method"):
+        _lm(parts, "cp-nope")
+    with pytest.raises(ValueError, match="K >= 2"):
+        _lm(parts, "cp-delta", single=True)
+    with pytest.raises(ValueError, match="base"):
+        _lm(parts, "scp-delta-r")
+    with pytest.raises(ValueError, match="unknown method"):
+        ProtectedLM.from_bundle(bundle, method="nope")
+    with pytest.raises(ValueError, match="'model' or 'constant'"):
+        ProtectedLM.from_bundle(bundle, base="zero")
+    no_vec = testing.make_tiny_bundle(tmp_path / "nv", k=3, constant_base=False)
+    with pytest.raises(ValueError, match="no constant base vector"):
+        ProtectedLM.from_bundle(no_vec, base="constant")
+    with pytest.raises(ValueError, match="exactly 2"):
+        ProtectedLM.from_bundle(no_vec, method="cp-fuse")
+    three = ProtectedLM.from_bundle(no_vec)  # K = 3 works for the other methods
+    assert three.num_constituents == 3 and len(three.generate(["Hi"], max_new_tokens=2)) == 1
+    with pytest.raises(BundleError, match=r"scpdr\.json"):
+        ProtectedLM.from_bundle(tmp_path)
+
+
+def test_from_bundle_roundtrip(bundle):
+    lm = ProtectedLM.from_bundle(bundle)
+    assert (lm.method, lm.m, lm.variant, lm.name) == ("scp-delta-r", 10, "b", "scp-delta-r-b")
+    assert lm.num_constituents == 2 and lm.vocab_size == 49152 and len(lm.tokenizer) == 49152
+    c = ProtectedLM.from_bundle(bundle, base="constant", m=5)
+    assert (c.variant, c.m, c.base_model, c.name) == ("c", 5, None, "scp-delta-r-c")
+    torch.testing.assert_close(c.base_vector, models.load_constant_base(bundle))
+    none = ProtectedLM.from_bundle(bundle, method="none")
+    assert none.num_constituents == 1 and none.variant is None and none.name == "none"
+    assert ProtectedLM.from_bundle(bundle, method="cp-delta").base_model is None
+    assert set(METHODS) == {*naf.METHODS, "cp-fuse"}
+
+
+def test_inputs_are_not_modified(parts):
+    lm = _lm(parts, "scp-delta-r", "c")
+    vec0 = parts["vec"].clone()
+    ids = torch.tensor([[1, 520, 905, 30]])
+    ids0 = ids.clone()
+    lm.next_token_logprobs(ids)
+    lm.score(ids, full=True)
+    assert torch.equal(ids, ids0) and torch.equal(parts["vec"], vec0)
+    assert torch.is_grad_enabled()  # inference mode did not leak out
+
+
+def test_generate_stream_does_not_leak_inference_mode(parts):
+    it = _lm(parts, "cp-delta").generate_stream(PROMPTS[:1], max_new_tokens=2)
+    next(it)
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    list(it)
+
+
+def test_bundle_command(bundle, tmp_path):
+    from scpdr.cli import main
+
+    assert main(["bundle", "--help"]) == 0
+    mf = models.read_bundle(bundle)
+    refs = [mf.resolve(bundle, r) for r in mf.constituents]
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(testing.HELD_OUT_PROMPTS[:5]) + "\n")
+    out = tmp_path / "new"
+    rc = main(
+        [
+            "bundle",
+            str(out),
+            "--base",
+            mf.resolve(bundle, mf.base),
+            *[a for r in refs for a in ("-c", r)],
+            "--held-out",
+            str(held),
+            "--m",
+            "7",
+        ]
+    )
+    assert rc == 0
+    new = models.read_bundle(out)
+    assert new.m == 7 and len(new.constituents) == 2 and new.constant_base
+    assert ProtectedLM.from_bundle(out, base="constant").variant == "c"
+    assert main(["bundle", str(tmp_path / "bad"), "-c", str(tmp_path / "missing")]) == 2
