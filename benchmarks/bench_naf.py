@@ -1,0 +1,109 @@
+"""Cost of NAF aggregation relative to one decode step of the embedded SmolLM2-135M.
+
+For every method of ``scpdr.naf.METHODS`` (and CP-Fuse's ``cp_fuse_step``) and batch sizes
+B in {1, 8, 64}: the median time of aggregating K = 2 constituents (+ a base for the SCP
+methods) at V = 49152, divided by the median time of one KV-cached decode step (batch B, one new
+token after a 16-token prompt) of the real model, measured round-robin in the same run.
+
+Goal (issue 2): scp-delta-r <= 0.01 at B = 1 and <= 0.02 at B = 8.
+
+    python benchmarks/bench_naf.py [--quick] [--threads N]
+
+Last stdout line: ``{"bench": "naf", "ratios": {"<method>@B<b>": ...}, "ms": {...}, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import decode_step_fn, emit, interleaved_medians, load_embedded_model, setup
+
+logger = logging.getLogger("scpdr.benchmarks.naf")
+
+VOCAB = 49152
+BATCH_SIZES = (1, 8, 64)
+GOALS = {"scp-delta-r@B1": 0.01, "scp-delta-r@B8": 0.02}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (well under 5 minutes)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
+    ap.add_argument("--no-cp-fuse", action="store_true", help="skip cp_fuse_step (slowest)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time (default), or this thread's CPU time, which other processes on a "
+        "shared machine do not inflate (forces --threads 1)",
+    )
+    args = ap.parse_args(argv)
+    threads = setup(threads=1 if args.clock == "cpu" else args.threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+    import torch
+
+    from scpdr import naf
+
+    repeats = {1: 15, 8: 9, 64: 5} if args.quick else {1: 60, 8: 30, 64: 12}
+    loaded = load_embedded_model()
+    model = loaded[0] if loaded else None
+    vocab = model.config.vocab_size if model is not None else VOCAB
+
+    ms: dict[str, float] = {}
+    ratios: dict[str, float | None] = {}
+    gen = torch.Generator().manual_seed(0)
+    for b in args.batch_sizes:
+        # Logits of a realistic scale: a shared component plus per-model noise.
+        shared = torch.randn(b, vocab, generator=gen) * 3
+        logps = shared + torch.randn(2, b, vocab, generator=gen)
+        base = shared + torch.randn(b, vocab, generator=gen)
+        path = torch.zeros(2, b)
+        fns = {}
+        if model is not None:
+            fns["decode"] = decode_step_fn(model, batch=b)
+        for method in naf.METHODS:
+            fns[method] = partial(naf.aggregate, method, logps, base=base, m=10)
+        if not args.no_cp_fuse:
+            fns["cp-fuse"] = partial(naf.cp_fuse_step, logps, path)
+        with torch.inference_mode():
+            med = interleaved_medians(fns, repeats=repeats.get(b, 5), clock=args.clock)
+        for name, sec in med.items():
+            ms[f"{name}@B{b}"] = round(sec * 1e3, 4)
+        for name, sec in med.items():
+            if name == "decode":
+                continue
+            key = f"{name}@B{b}"
+            ratios[key] = round(sec / med["decode"], 5) if "decode" in med else None
+            logger.info("B=%-3d %-12s %9.3f ms  ratio %s", b, name, sec * 1e3, ratios[key])
+        if "decode" in med:
+            logger.info("B=%-3d %-12s %9.3f ms", b, "decode", med["decode"] * 1e3)
+    goals_met = {
+        k: (ratios.get(k) is not None and ratios[k] <= v) for k, v in GOALS.items() if k in ratios
+    }
+    emit(
+        "naf",
+        ratios,
+        ms=ms,
+        goals=GOALS,
+        goals_met=goals_met,
+        vocab=vocab,
+        threads=threads,
+        clock=args.clock,
+        load_average=load,
+        quick=args.quick,
+        model="SmolLM2-135M-Instruct" if model is not None else None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
