@@ -1,0 +1,472 @@
+"""The serving engine: a dynamic-batching scheduler over one :class:`~scpdr.protected.ProtectedLM`
+(STYLE.md 10, the "engine" of vLLM's protocol/engine/router split).
+
+One worker thread owns the model. HTTP handlers (on the asyncio event loop) submit *sequences*
+(one per prompt and choice) into a bounded FIFO queue; a full queue is an
+:class:`EngineOverloadedError` (HTTP 429). The worker drains up to ``max_batch`` sequences, scores
+the prompts of those that echo log-probs (teacher forcing, one batched call) and runs one batched
+``generate_stream`` for the rest with per-sequence sampling parameters, pushing every event back
+to the submitting request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. Concurrent
+requests therefore share model steps; a request that arrives while a batch runs waits for the
+next one (static batches, no preemption: simple and correct).
+
+Only aggregate quantities leave the worker: the aggregate log-probs log r(y|x), its top-k
+alternatives, and the certificate values k_x (Definition 2.1 with Theorems 2.1/2.2) and t_x
+(Theorem 4.1). Constituent distributions are never requested from the model here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scpdr.errors import ScpdrError
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "EngineOverloadedError",
+    "EngineStoppedError",
+    "Failed",
+    "Finished",
+    "PromptLogprobs",
+    "RequestStream",
+    "SamplingParams",
+    "TokenOutput",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(ScpdrError):
+    """The engine could not run a request."""
+
+
+class EngineOverloadedError(EngineError):
+    """The request queue is full; retry later (HTTP 429)."""
+
+
+class EngineStoppedError(EngineError):
+    """The engine is not running (not started, or shutting down)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one sequence (one prompt, one choice).
+
+    ``logprobs``: ``None`` = no log-probs; ``k >= 0`` = the chosen token's log-prob plus the ``k``
+    most likely alternatives at every served position. ``echo_logprobs`` also scores the prompt
+    (position i > 0 gets log r(prompt[i] | prompt[:i])).
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    echo_logprobs: bool = False
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+
+# ---- events pushed to a request's queue: (sequence index within the request, event) ----------
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Teacher-forced log-probs of the prompt under the aggregate (for echo).
+
+    Lists have ``len(prompt) - 1`` entries: entry i is about prompt token i + 1.
+    ``top_logprobs[i]`` holds ``(token_id, logprob)`` of the most likely tokens, best first.
+    """
+
+    token_logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    k_x: list[float]
+    t_x: list[float]
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One generated token: its text delta, its log-prob under the aggregate, alternatives, and the
+    certificate of the distribution it was drawn from (k_x: Def. 2.1; t_x: Theorem 4.1)."""
+
+    token_id: int
+    text: str
+    logprob: float
+    k_x: float
+    t_x: float
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length"
+    text: str = ""  # text released with the end (e.g. a held-back partial stop string)
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+Event = PromptLogprobs | TokenOutput | Finished | Failed
+
+
+class RequestStream:
+    """The engine's answer channel for one HTTP request: ``(sequence index, event)`` pairs.
+
+    Created on the event loop; the worker thread pushes with :meth:`push` (thread-safe).
+    """
+
+    def __init__(self, n_sequences: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.n_sequences = n_sequences
+        self._loop = loop
+        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.cancelled = False
+        self._open = n_sequences
+
+    def push(self, index: int, event: Event) -> None:
+        """Thread-safe: deliver an event to the request's event loop (dropped once cancelled)."""
+        if self.cancelled:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
+        except RuntimeError:  # the loop is closed: the client is gone
+            self.cancelled = True
+
+    def cancel(self) -> None:
+        """Stop caring about this request; the worker skips or abandons its sequences."""
+        self.cancelled = True
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """Yield events until every sequence has finished or failed."""
+        try:
+            while self._open > 0:
+                index, event = await self._queue.get()
+                if isinstance(event, (Finished, Failed)):
+                    self._open -= 1
+                yield index, event
+        finally:
+            if self._open > 0:
+                self.cancel()
+
+
+@dataclass
+class _Sequence:
+    stream: RequestStream
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stream.cancelled
+
+    def push(self, event: Event) -> None:
+        self.stream.push(self.index, event)
+
+
+class Engine:
+    """Dynamic batching over one protected model, run by a single worker thread.
+
+    Args:
+        lm: a :class:`~scpdr.protected.ProtectedLM` (anything with its ``generate_stream`` and
+            ``score``).
+        max_batch: most sequences decoded together in one batched call.
+        max_queue: most sequences waiting; beyond it :meth:`submit` raises
+            :class:`EngineOverloadedError` (HTTP 429).
+        batch_wait_s: after the first sequence arrives, wait this long for more before starting
+            a batch (only when the worker was idle).
+        score_chunk_tokens: most padded prompt positions scored in one call for echo log-probs
+            (their full (B, T-1, V) aggregate distributions are held at once).
+    """
+
+    def __init__(
+        self,
+        lm: Any,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 256,
+        batch_wait_s: float = 0.005,
+        score_chunk_tokens: int = 1024,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.lm = lm
+        self.max_batch = int(max_batch)
+        self.max_queue = int(max_queue)
+        self.batch_wait_s = float(batch_wait_s)
+        self.score_chunk_tokens = int(score_chunk_tokens)
+        self._queue: collections.deque[_Sequence] = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._running = 0
+        self.batches_run = 0
+        self.sequences_run = 0
+        self.largest_batch = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        with self._cond:
+            if self._thread is not None and self._thread.is_alive():
+                return self
+            self._stopping = False
+            self._thread = threading.Thread(target=self._worker, name="scpdr-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, *, timeout: float = 30.0) -> None:
+        """Stop after the running batch; waiting sequences fail with :class:`EngineStoppedError`."""
+        with self._cond:
+            self._stopping = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for seq in pending:
+            seq.push(Failed(EngineStoppedError("the server is shutting down")))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "queued": len(self._queue),
+                "running": self._running,
+                "max_batch": self.max_batch,
+                "max_queue": self.max_queue,
+                "batches_run": self.batches_run,
+                "sequences_run": self.sequences_run,
+                "largest_batch": self.largest_batch,
+            }
+
+    # ---- submission (event loop side) ------------------------------------------------------
+
+    def submit(
+        self,
+        sequences: Sequence[tuple[list[int], SamplingParams]],
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestStream:
+        """Queue one request's sequences (all or none) and return the stream of their events.
+
+        Raises:
+            EngineOverloadedError: the queue cannot take them now (HTTP 429).
+            EngineStoppedError: the engine is not running.
+        """
+        if not sequences:
+            raise ValueError("a request needs at least one sequence")
+        loop = loop or asyncio.get_running_loop()
+        stream = RequestStream(len(sequences), loop)
+        seqs = [
+            _Sequence(stream, i, list(ids), params) for i, (ids, params) in enumerate(sequences)
+        ]
+        with self._cond:
+            if not self.alive:
+                raise EngineStoppedError("the engine is not running")
+            if len(self._queue) + len(seqs) > self.max_queue:
+                raise EngineOverloadedError(
+                    f"the server is busy ({len(self._queue)} sequences queued, at most "
+                    f"{self.max_queue}); retry shortly"
+                )
+            self._queue.extend(seqs)
+            self._cond.notify()
+        return stream
+
+    # ---- the worker ------------------------------------------------------------------------
+
+    def _next_batch(self) -> list[_Sequence] | None:
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            was_single = len(self._queue) < self.max_batch
+        if was_single and self.batch_wait_s > 0:
+            time.sleep(self.batch_wait_s)  # let concurrent requests join this batch
+        with self._cond:
+            batch: list[_Sequence] = []
+            while self._queue and len(batch) < self.max_batch:
+                seq = self._queue.popleft()
+                if not seq.cancelled:
+                    batch.append(seq)
+            self._running = len(batch)
+            return batch
+
+    def _worker(self) -> None:
+        import torch
+
+        logger.info("engine worker started (max_batch=%d)", self.max_batch)
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                break
+            if not batch:
+                continue
+            try:
+                with torch.no_grad():
+                    self._execute(batch)
+            except Exception as exc:
+                logger.exception("batch of %d sequences failed", len(batch))
+                for seq in batch:
+                    seq.push(Failed(exc))
+            finally:
+                with self._cond:
+                    self._running = 0
+                    self.batches_run += 1
+                    self.sequences_run += len(batch)
+                    self.largest_batch = max(self.largest_batch, len(batch))
+        logger.info("engine worker stopped")
+
+    def _execute(self, batch: list[_Sequence]) -> None:
+        echo = [s for s in batch if s.params.echo_logprobs]
+        if echo:
+            self._score_prompts(echo)
+        gen = [s for s in batch if s.params.max_tokens > 0]
+        for s in batch:
+            if s.params.max_tokens == 0:
+                s.push(Finished("length"))
+        if gen:
+            self._generate(gen)
+
+    def _score_prompts(self, seqs: list[_Sequence]) -> None:
+        """Teacher-forced aggregate log-probs of each prompt (echo with logprobs): batched
+        ``score`` calls over right-padded prompts, in chunks of at most
+        ``score_chunk_tokens`` positions (the (B, T-1, V) distributions are held at once).
+
+        The chosen token's log-prob and the alternatives come from the same distribution
+        tensor, so a greedy token's value equals the best alternative's exactly (lm-eval's
+        ``is_greedy`` test compares them with ``==``).
+        """
+        seqs = [s for s in seqs if not s.cancelled]
+        chunk: list[_Sequence] = []
+        longest = 0
+        for s in sorted(seqs, key=lambda s: len(s.prompt_ids)):
+            longest = max(longest, len(s.prompt_ids))
+            if chunk and (len(chunk) + 1) * longest > self.score_chunk_tokens:
+                self._score_chunk(chunk)
+                chunk, longest = [], len(s.prompt_ids)
+            chunk.append(s)
+        if chunk:
+            self._score_chunk(chunk)
+
+    def _score_chunk(self, seqs: list[_Sequence]) -> None:
+        import torch
+
+        t = max(len(s.prompt_ids) for s in seqs)
+        if t < 2:
+            for s in seqs:
+                s.push(PromptLogprobs([], [], [], []))
+            return
+        ids = torch.zeros((len(seqs), t), dtype=torch.long)  # (B, T), right padding
+        mask = torch.zeros((len(seqs), t), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : len(s.prompt_ids)] = torch.tensor(s.prompt_ids, dtype=torch.long)
+            mask[b, : len(s.prompt_ids)] = 1
+        k = max(s.params.logprobs or 0 for s in seqs)
+        out = self.lm.score(ids, mask, full=k > 0, k_x=True, t_x=True)
+        targets = ids[:, 1:]  # (B, T-1)
+        if k > 0:
+            full = out.logprobs.float()  # (B, T-1, V): log r(. | prompt[:i+1])
+            chosen = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
+            vals, idx = full.topk(min(k, full.shape[-1]), dim=-1)  # (B, T-1, k)
+            vals_l, idx_l = vals.tolist(), idx.tolist()
+            del full
+        else:
+            chosen = out.token_logprobs.float()  # (B, T-1)
+            vals_l = idx_l = []
+        chosen_l = chosen.tolist()
+        kx_l, tx_l = out.k_x.float().tolist(), out.t_x.float().tolist()
+        for b, s in enumerate(seqs):
+            n = len(s.prompt_ids) - 1
+            ks = s.params.logprobs or 0
+            top = [
+                list(zip(idx_l[b][i][:ks], vals_l[b][i][:ks], strict=True)) if ks else []
+                for i in range(n)
+            ]
+            s.push(PromptLogprobs(chosen_l[b][:n], top, kx_l[b][:n], tx_l[b][:n]))
+
+    def _generate(self, seqs: list[_Sequence]) -> None:
+        """One batched ``generate_stream`` over ``seqs``, per-sequence sampling parameters."""
+        params = [s.params for s in seqs]
+        if len({p.stop_at_eos for p in params}) > 1:  # one flag per generate_stream call
+            for flag in (True, False):
+                part = [s for s in seqs if s.params.stop_at_eos is flag]
+                if part:
+                    self._generate(part)
+            return
+        ks = [p.logprobs or 0 for p in params]
+        it = self.lm.generate_stream(
+            [s.prompt_ids for s in seqs],
+            max_new_tokens=[p.max_tokens for p in params],
+            temperature=[p.temperature for p in params],
+            top_p=[p.top_p for p in params],
+            top_k=[p.top_k for p in params],
+            stop=[list(p.stop) for p in params],  # one list per prompt
+            seed=[p.seed for p in params],
+            stop_at_eos=params[0].stop_at_eos,
+            top_logprobs=max(ks),  # one count per call; each sequence keeps its own k below
+        )
+        finished: set[int] = set()
+        try:
+            for ev in it:
+                seq = seqs[ev.index]
+                if ev.token_id is not None:
+                    seq.push(
+                        TokenOutput(
+                            token_id=int(ev.token_id),
+                            text=ev.text_delta or "",
+                            logprob=float(ev.logprob),
+                            k_x=float(ev.k_x),
+                            t_x=float(ev.t_x),
+                            top_logprobs=[
+                                (int(t), float(v))
+                                for t, v in (ev.top_logprobs or [])[: ks[ev.index]]
+                            ],
+                        )
+                    )
+                if ev.finish_reason is not None:
+                    tail = (ev.text_delta or "") if ev.token_id is None else ""
+                    seq.push(Finished(str(ev.finish_reason), text=tail))
+                    finished.add(ev.index)
+                if all(s.cancelled for s in seqs):
+                    logger.debug("every client of the batch is gone; abandoning it")
+                    break
+        finally:
+            _suppress_close(it)
+        for i, seq in enumerate(seqs):  # never leave a client waiting
+            if i not in finished and not seq.cancelled:
+                seq.push(Failed(EngineError("generation ended before this sequence finished")))
+
+
+def _suppress_close(gen: Any) -> None:
+    with contextlib.suppress(Exception):
+        gen.close()

@@ -1,0 +1,524 @@
+"""The OpenAI wire format: pydantic request and response models (STYLE.md 10, after vLLM
+``entrypoints/openai/protocol.py``).
+
+Requests are validated here, before anything reaches the model: a malformed request becomes a
+400 with the OpenAI error shape (see :mod:`scpdr.serve.app`), never a 500. Everything a response
+can carry is the *aggregate* distribution r(·|x) of the protected model (the paper's black-box
+threat model, Definition 4.1 of ``shared/paper/scp_dr.tex``); no field exists for a constituent's
+distribution.
+
+Each response choice carries the extension object ``naf`` (:class:`NafCertificate`): the NAF bound
+``k_x`` of every served token (Definition 2.1; Theorems 2.1/2.2, SCP-Δr via Algorithm 1) and the
+LiRA bound ``t_x`` (Theorem 4.1), with their maxima — the certificate of that response.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "LOGPROB_FLOOR",
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatMessage",
+    "CompletionChunk",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "DetokenizeRequest",
+    "ErrorBody",
+    "ErrorResponse",
+    "ModelCard",
+    "ModelList",
+    "NafCertificate",
+    "TokenizeRequest",
+    "Usage",
+    "finite_or_none",
+    "logprob_value",
+]
+
+#: JSON cannot carry -inf; like OpenAI and vLLM, an impossible token's log-prob is sent as -9999.0.
+LOGPROB_FLOOR = -9999.0
+#: Most alternatives per position (OpenAI's limit for ``logprobs`` / ``top_logprobs``).
+MAX_LOGPROBS = 20
+#: Most choices per prompt.
+MAX_N = 16
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+def logprob_value(x: float) -> float:
+    """A log-prob as JSON can carry it: -inf (and NaN) → :data:`LOGPROB_FLOOR`, others clamped."""
+    x = float(x)
+    if math.isnan(x) or x < LOGPROB_FLOOR:
+        return LOGPROB_FLOOR
+    return min(x, 0.0)
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """A bound as JSON can carry it: ``None`` when there is no finite bound (+inf or NaN)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _Request(BaseModel):
+    """Unknown fields are ignored (clients send vendor extensions); known ones are checked."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = Field(
+        False, description="Send a last chunk with the request's usage and no choices."
+    )
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: StrictStr | None = Field(None, description="The served model's id (GET /v1/models).")
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, description="0 is greedy decoding; default 1."
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling; default 1.")
+    top_k: StrictInt | None = Field(
+        None, ge=-1, description="Extension (as in vLLM): keep the k most likely; 0 or -1 = off."
+    )
+    n: StrictInt = Field(1, ge=1, le=MAX_N, description="Choices per prompt.")
+    stop: StrictStr | list[StrictStr] | None = Field(
+        None, description="Stop strings (any number); the stop string is not returned."
+    )
+    seed: StrictInt | None = Field(
+        None,
+        ge=_INT64_MIN,
+        le=_INT64_MAX,
+        description="Sampling seed; choice j of a prompt uses seed + j.",
+    )
+    stream: StrictBool = Field(False, description="Server-sent events, ending with [DONE].")
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ValueError(
+                    f"{name} is not supported by the protected model; omit it or send 0"
+                )
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by the protected model; omit it")
+        return self
+
+    def stop_list(self) -> list[str]:
+        """The stop strings as a list, empty strings dropped (they would stop at once)."""
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+    def effective_temperature(self) -> float:
+        return 1.0 if self.temperature is None else float(self.temperature)
+
+    def effective_top_p(self) -> float:
+        return 1.0 if self.top_p is None else float(self.top_p)
+
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k is None or self.top_k < 0 else int(self.top_k)
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class NafCertificate(_Response):
+    """The NAF certificate of one choice (the ``naf`` extension object).
+
+    ``k_x[i]`` is the bound of Definition 2.1 for the distribution the i-th completion token was
+    drawn from, under the divergence of the method's theorem (Theorem 2.1: max-divergence for
+    CP-Δ; Theorem 2.2: relative max-divergence for CP-Δr, and for SCP-Δr on the smoothed RPDs,
+    Algorithm 1). ``t_x[i]`` is the LiRA bound of Theorem 4.1, log r(y|x)/q̃(y|x) ≤ t_x for every
+    constituent. ``null`` means there is no finite bound (e.g. method "none" on one model).
+    With ``echo`` and logprobs, ``prompt_k_x``/``prompt_t_x`` certify the served prompt positions
+    too (entry 0 is null, like ``token_logprobs``), and the maxima cover them.
+    """
+
+    method: str = Field(description="Aggregation rule, e.g. 'scp-delta-r'.")
+    m: int | None = Field(description="Smoothing parameter m of SCP methods, else null.")
+    name: str = Field(description="Result-row name of the variant, e.g. 'scp-delta-r-b'.")
+    k_x: list[float | None] = Field(description="Per completion token NAF bound.")
+    t_x: list[float | None] = Field(description="Per completion token LiRA bound (Thm 4.1).")
+    max_k_x: float | None = Field(description="Max of k_x (and prompt_k_x); null if none/infinite.")
+    max_t_x: float | None = Field(description="Max of t_x; null if none/infinite.")
+    prompt_k_x: list[float | None] | None = Field(
+        None, description="With echo + logprobs: k_x at each served prompt position."
+    )
+    prompt_t_x: list[float | None] | None = Field(
+        None, description="With echo + logprobs: t_x at each served prompt position."
+    )
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        method: str,
+        m: int | None,
+        name: str,
+        k_x: Sequence[float | None],
+        t_x: Sequence[float | None],
+        prompt_k_x: Sequence[float | None] | None = None,
+        prompt_t_x: Sequence[float | None] | None = None,
+        listed: slice | None = None,
+        list_prompt: bool = True,
+    ) -> NafCertificate:
+        """The certificate of tokens ``k_x``/``t_x`` (and served prompt positions).
+
+        ``listed`` (streaming) lists only those tokens' values (and ``list_prompt=False`` omits
+        the prompt lists) while the maxima still cover all of them: the chunks' lists concatenate
+        to the full choice's, and each chunk's maxima are the running maxima.
+        """
+        shown = listed or slice(None)
+        return cls(
+            method=method,
+            m=m,
+            name=name,
+            k_x=[finite_or_none(v) for v in k_x[shown]],
+            t_x=[finite_or_none(v) for v in t_x[shown]],
+            max_k_x=_max_bound(_served(k_x, prompt_k_x)),
+            max_t_x=_max_bound(_served(t_x, prompt_t_x)),
+            prompt_k_x=_listed(prompt_k_x, list_prompt),
+            prompt_t_x=_listed(prompt_t_x, list_prompt),
+        )
+
+
+def _listed(values: Sequence[float | None] | None, show: bool) -> list[float | None] | None:
+    return None if values is None or not show else [finite_or_none(v) for v in values]
+
+
+def _served(
+    values: Sequence[float | None], prompt_values: Sequence[float | None] | None
+) -> list[float | None]:
+    """Completion bounds plus the served prompt positions' (the leading null is no position)."""
+    return [*values, *(prompt_values or [])[1:]]
+
+
+def _max_bound(values: Sequence[float | None]) -> float | None:
+    """Max of the bounds; ``None`` if there are none or any is infinite/undefined."""
+    if not values:
+        return None
+    out = -math.inf
+    for v in values:
+        if v is None:
+            return None
+        v = float(v)
+        if not math.isfinite(v):
+            return None
+        out = max(out, v)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# /v1/completions
+# --------------------------------------------------------------------------------------------
+
+PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt`` token ids are used exactly as given (no BOS added)."""
+
+    prompt: PromptType = Field(
+        description="A string, a list of strings, a list of token ids or a list of such lists."
+    )
+    max_tokens: StrictInt | None = Field(
+        16, ge=0, description="Tokens to generate (0 allowed with echo); null = up to the context."
+    )
+    logprobs: StrictInt | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Return log-probs with this many alternatives."
+    )
+    echo: StrictBool = Field(False, description="Prepend the prompt (and its log-probs).")
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported; omit it")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of == n); omit it")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 unless echo is true")
+        return self
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list of strings or a list of token-id lists (at least one)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[return-value]
+
+
+class CompletionLogprobs(_Response):
+    """The legacy completions log-prob shape (one entry per token of ``text``)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    naf: NafCertificate
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(_Response):
+    """One SSE event of a streamed completion; the usage event has no choices."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# /v1/chat/completions
+# --------------------------------------------------------------------------------------------
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions; the prompt is the tokenizer's chat template of ``messages``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, description="Deprecated alias.")
+    max_completion_tokens: StrictInt | None = Field(
+        None, ge=1, description="Tokens to generate; null = up to the context."
+    )
+    logprobs: StrictBool = Field(False, description="Return the chosen tokens' log-probs.")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools or self.functions:
+            raise ValueError("tools/function calling is not supported; omit tools")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported; omit it")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+    naf: NafCertificate
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    naf: NafCertificate | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Models, tokenizer endpoints (the ones lm-eval's RemoteTokenizer calls), errors
+# --------------------------------------------------------------------------------------------
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "scpdr"
+    max_model_len: int
+    naf: dict[str, Any] = Field(description="method, m, name, constituents of the served model")
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's shape): a ``prompt`` or chat ``messages``."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+
+class ErrorBody(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorBody

@@ -1,0 +1,63 @@
+"""Shared fixtures of the server tests: one tiny bundle and its ProtectedLM per session, and a
+factory that runs a live uvicorn server on 127.0.0.1 (free port) in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: Constituent 0 of the test bundle is trained to prefer this text (a memorized "secret").
+SECRET = "The secret code is 4417-2209."
+MODEL = "tiny-bundle"
+
+
+@pytest.fixture(scope="session")
+def model_id() -> str:
+    return MODEL
+
+
+@pytest.fixture(scope="session")
+def secret() -> str:
+    return SECRET
+
+
+@pytest.fixture(scope="session")
+def serve_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from scpdr.testing import make_tiny_bundle
+
+    return make_tiny_bundle(tmp_path_factory.mktemp("serve") / "bundle", prefer={0: SECRET})
+
+
+@pytest.fixture(scope="session")
+def serve_lm(serve_bundle: Path) -> Any:
+    from scpdr.protected import ProtectedLM
+
+    return ProtectedLM.from_bundle(serve_bundle)
+
+
+@pytest.fixture(scope="session")
+def start_server(serve_lm: Any) -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """``with start_server(max_batch=8, api_key=None, ...) as base_url:`` a live server."""
+    from scpdr.serve import Engine, ServeConfig, create_app, serve_in_background
+
+    @contextlib.contextmanager
+    def start(
+        *,
+        max_batch: int = 8,
+        max_queue: int = 256,
+        batch_wait_s: float = 0.005,
+        **config: Any,
+    ) -> Iterator[str]:
+        config.setdefault("model_name", MODEL)
+        engine = Engine(
+            serve_lm, max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait_s
+        )
+        app = create_app(engine, ServeConfig(**config))
+        with serve_in_background(app) as url:
+            yield url
+
+    return start
