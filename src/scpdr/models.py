@@ -279,11 +279,34 @@ def load_model(ref: Ref, *, dtype: torch.dtype | None = None) -> PreTrainedModel
         except ImportError as exc:  # pragma: no cover - peft is a dependency
             raise missing_dependency("peft") from exc
         base = load_model(_adapter_base_ref(path), dtype=dtype)
-        model = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
-        return model.eval()
+        peft_model = PeftModel.from_pretrained(base, str(path))
+        _untie_adapted_head(peft_model.get_base_model())
+        return peft_model.merge_and_unload().eval()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def _untie_adapted_head(model: PreTrainedModel) -> None:
+    """Give a LoRA-adapted ``lm_head`` tied to the input embeddings its own weight copy.
+
+    PEFT's (unmerged) forward applies an ``lm_head`` adapter to the output projection only;
+    merging it into the tied matrix would change the input embeddings too (peft 0.21), giving a
+    different model than the one trained (and than ``scpdr.lora_fast``'s stacked forward).
+    """
+    import torch
+
+    head = model.get_output_embeddings()
+    layer = getattr(head, "base_layer", None)  # a peft LoRA layer wraps the nn.Linear
+    emb = model.get_input_embeddings()
+    emb_w = getattr(getattr(emb, "base_layer", emb), "weight", None)
+    if layer is None or emb_w is None or layer.weight is not emb_w:
+        return
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    text_cfg = getattr(model.config, "get_text_config", None)
+    if callable(text_cfg):
+        text_cfg().tie_word_embeddings = False
 
 
 def load_tokenizer(ref: Ref) -> PreTrainedTokenizerBase:
