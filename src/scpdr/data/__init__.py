@@ -15,7 +15,15 @@ from scpdr.data.canaries import (
     load_wordlist,
     make_canaries,
 )
-from scpdr.data.corpora import CORPORA, Corpus, build_corpus, names2ids, pycode, pydocs
+from scpdr.data.corpora import (
+    CORPORA,
+    Corpus,
+    build_corpus,
+    load_corpus,
+    names2ids,
+    pycode,
+    pydocs,
+)
 from scpdr.data.partition import (
     AuditReport,
     GroupingConfig,
@@ -51,6 +59,7 @@ __all__ = [
     "canary_text",
     "content_hash",
     "group_near_duplicates",
+    "load_corpus",
     "load_partitions",
     "load_records",
     "load_wordlist",

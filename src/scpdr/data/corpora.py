@@ -22,22 +22,24 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import random
 import re
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from scpdr.data.records import DataError, Record
+from scpdr.data.records import DataError, Record, load_records
 
 __all__ = [
     "CORPORA",
     "NAMES2IDS_LOCALES",
     "Corpus",
     "build_corpus",
+    "load_corpus",
     "names2ids",
     "pycode",
     "pydocs",
@@ -432,6 +434,50 @@ CORPORA: dict[str, Callable[..., Corpus]] = {
     "pycode": pycode,
     "pydocs": pydocs,
 }
+
+
+def load_corpus(
+    source: str | os.PathLike[str],
+    *,
+    n_train: int | None = None,
+    n_val: int | None = None,
+    seed: int = 0,
+    fields: Mapping[str, str] | None = None,
+    split: str | None = None,
+    val_fraction: float = 0.0,
+) -> Corpus:
+    """A built-in corpus by name (sizes default to the builder's) or a user file/directory
+    (:func:`~scpdr.data.records.load_records`): the first ``n_train`` records (all by default)
+    after holding out a seeded ``val_fraction`` (or ``n_val`` records) for validation."""
+    name = os.fspath(source)
+    if name in CORPORA:
+        sizes = {k: v for k, v in (("n_train", n_train), ("n_val", n_val)) if v is not None}
+        return CORPORA[name](seed=seed, **sizes)
+    path = Path(name)
+    if not path.exists():
+        raise DataError(
+            f"{name!r} is neither a built-in corpus ({', '.join(sorted(CORPORA))}) nor an "
+            f"existing file or directory"
+        )
+    records = load_records(path, fields=fields, split=split)
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    k_val = n_val if n_val is not None else round(val_fraction * len(records))
+    if k_val >= len(records):
+        raise DataError(f"{path}: {len(records)} records, cannot hold out {k_val} for validation")
+    order = list(range(len(records)))
+    random.Random(f"val:{seed}").shuffle(order)
+    val_idx = set(order[:k_val])
+    train = [r for i, r in enumerate(records) if i not in val_idx]
+    validation = [r for i, r in enumerate(records) if i in val_idx]
+    if n_train is not None:
+        train = train[:n_train]
+    return Corpus(
+        name=path.stem,
+        train=train,
+        validation=validation,
+        meta={"seed": seed, "source": str(path.resolve())},
+    )
 
 
 def build_corpus(name: str, *, n_train: int, n_val: int, seed: int = 0, **kwargs: Any) -> Corpus:

@@ -1,0 +1,314 @@
+"""scpdr.train on tiny random Llamas with the real tokenizer: training lowers the loss and changes
+the weights, an interrupted run resumes to the same weights, goldfish drops exactly the hashed
+positions, LoRA outputs load back, and the `scpdr train` command builds a bundle end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scpdr.data import Record, names2ids
+from scpdr.errors import ConfigError
+from scpdr.train import (
+    TRAIN_INFO,
+    CausalCollator,
+    TrainConfig,
+    build_sequences,
+    finetune,
+    goldfish_mask,
+)
+
+# A few steps at a large learning rate: enough to move a random tiny model, fast on 2 cores.
+_FAST = dict(
+    learning_rate=1e-2,
+    batch_size=4,
+    seq_len=32,
+    warmup_steps=0,
+    progress=False,
+    logging_steps=1,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from scpdr.testing import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def records() -> list[Record]:
+    return names2ids(n_train=12, n_val=1, seed=0).train
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tok) -> Path:
+    from scpdr.testing import tiny_model
+
+    d = tmp_path_factory.mktemp("tiny-base")
+    tiny_model(0).save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    return d
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _mean_loss(model, rows) -> float:
+    batch = CausalCollator()(rows)
+    with torch.no_grad():
+        return float(model(**batch).loss)
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+def test_config_paper_defaults_and_json_round_trip():
+    full, lora = TrainConfig.paper(), TrainConfig.paper(lora=True)
+    assert (full.epochs, full.learning_rate, full.batch_size, full.neftune_alpha) == (
+        50.0,
+        5e-5,
+        1,
+        5.0,
+    )
+    assert full.packing is True and lora.packing is False
+    assert (lora.epochs, lora.learning_rate, lora.batch_size, lora.neftune_alpha) == (
+        20.0,
+        5e-4,
+        64,
+        0.0,
+    )
+    assert (lora.lora_r, lora.lora_alpha, lora.lora_dropout) == (64, 32, 0.05)
+    assert "lm_head" in lora.lora_target_modules and full.max_grad_norm == 2.0
+    assert full.warmup_steps == 50 and full.optim == "adamw_torch"
+    back = TrainConfig.from_json(lora.to_json())
+    assert back == lora and back.fingerprint() == lora.fingerprint()
+    assert TrainConfig(epochs=3).fingerprint() != full.fingerprint()
+    assert TrainConfig(progress=False).fingerprint() == full.fingerprint()
+    for field, info in TrainConfig.model_fields.items():
+        assert info.description, f"{field} has no help text"
+    with pytest.raises(ConfigError, match="learning_rate"):
+        TrainConfig.from_json('{"learning_rate": -1}')
+    with pytest.raises(ValueError, match="max_steps"):
+        TrainConfig(max_steps=0)
+    with pytest.raises(ValueError, match="extra"):
+        TrainConfig(nope=1)
+
+
+# ------------------------------------------------------------------------------ sequences
+
+
+def test_build_sequences_packing_and_padding(tok, records):
+    eos = tok.eos_token_id
+    stream = []
+    for r in records:
+        stream += tok(r.text)["input_ids"] + [eos]
+    packed = build_sequences(records, tok, seq_len=32, packing=True, shuffle=False)
+    assert all(len(row["input_ids"]) == 32 for row in packed)
+    flat = [
+        t
+        for row in packed
+        for t, a in zip(row["input_ids"], row["attention_mask"], strict=True)
+        if a
+    ]
+    assert flat == stream  # examples + EOS, concatenated, nothing lost
+    last = packed[-1]
+    n_real = sum(last["attention_mask"])
+    assert last["labels"][n_real:] == [-100] * (32 - n_real)
+    padded = build_sequences(records, tok, seq_len=64, packing=False, shuffle=False)
+    longest = max(len(tok(r.text)["input_ids"]) + 1 for r in records)
+    for r, row in zip(records, padded, strict=True):
+        ids = tok(r.text)["input_ids"] + [eos]
+        assert len(row["input_ids"]) == longest
+        assert row["input_ids"][: len(ids)] == ids and row["labels"][: len(ids)] == ids
+        assert row["labels"][len(ids) :] == [-100] * (longest - len(ids))
+        assert row["attention_mask"] == [1] * len(ids) + [0] * (longest - len(ids))
+    shuffled = build_sequences(records, tok, seq_len=64, packing=False, seed=1)
+    assert sorted(map(tuple, (r["input_ids"] for r in shuffled))) == sorted(
+        map(tuple, (r["input_ids"] for r in padded))
+    )
+
+
+# ------------------------------------------------------------------------------ goldfish
+
+
+def _reference_drop(ids: list[int], *, k: int, h: int) -> list[bool]:
+    """Independent statement of the rule: drop t iff t >= h and the keyed BLAKE2b-64 of the h
+    preceding token ids (int64 little endian) is 0 mod k."""
+    out = []
+    for t in range(len(ids)):
+        if t < h:
+            out.append(False)
+            continue
+        data = b"".join(int(x).to_bytes(8, "little", signed=True) for x in ids[t - h : t])
+        d = hashlib.blake2b(data, digest_size=8, key=b"scpdr-goldfish").digest()
+        out.append(int.from_bytes(d, "little") % k == 0)
+    return out
+
+
+def test_goldfish_drops_exactly_the_hashed_positions():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 49152, (3, 400), generator=g)
+    k, h = 4, 13
+    mask = goldfish_mask(ids, k=k, h=h)
+    for b in range(3):
+        assert mask[b].tolist() == _reference_drop(ids[b].tolist(), k=k, h=h)
+    assert not mask[:, :h].any()
+    frac = mask[:, h:].float().mean().item()
+    assert 0.17 < frac < 0.33  # ≈ 1/k
+    # the same context always drops the same next token (a repeated passage loses the same tokens)
+    rep = torch.cat([ids[:1, :100], ids[:1, :100]], dim=1)
+    m = goldfish_mask(rep, k=k, h=h)[0]
+    assert torch.equal(m[100 + h : 200], m[h:100])
+
+
+def test_collator_applies_goldfish_to_labels_only_and_copies(tok, records):
+    rows = build_sequences(records, tok, seq_len=32, packing=True, shuffle=False)
+    before = json.dumps(rows)
+    plain = CausalCollator()(rows)
+    gold = CausalCollator(goldfish_k=3, goldfish_h=4)(rows)
+    assert json.dumps(rows) == before  # features untouched
+    assert torch.equal(plain["input_ids"], gold["input_ids"])
+    drop = goldfish_mask(plain["input_ids"], k=3, h=4)
+    expected = plain["labels"].masked_fill(drop, -100)
+    assert torch.equal(gold["labels"], expected)
+    assert (gold["labels"] == -100).sum() > (plain["labels"] == -100).sum()
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def test_training_changes_weights_lowers_loss_and_records_info(tmp_path, tok, records, base_dir):
+    from scpdr.models import load_model
+
+    cfg = TrainConfig(max_steps=8, **_FAST)
+    rows = build_sequences(records, tok, seq_len=32, packing=True, shuffle=False)
+    base = load_model(base_dir)
+    loss0 = _mean_loss(base, rows)
+    out = finetune(records, base=str(base_dir), config=cfg, out=tmp_path / "c0")
+    trained = load_model(out)
+    assert _mean_loss(trained, rows) < loss0 - 0.5
+    w0, w1 = base.state_dict(), _weights(out)
+    assert any(not torch.equal(w0[k], w1[k]) for k in w1)
+    info = json.loads((out / TRAIN_INFO).read_text())
+    assert info["global_step"] == 8 and info["config"] == cfg.model_dump(mode="json")
+    assert info["seeds"]["seed"] == 0 and info["data"]["records"] == len(records)
+    assert [h["loss"] for h in info["log_history"] if "loss" in h]
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= {p.name for p in out.iterdir()}
+    assert not list(tmp_path.glob("c0.tmp-*"))  # the temp dir is gone
+    # same call again: already trained, returned as is; other settings: refused
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert finetune(records, base=str(base_dir), config=cfg, out=out) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+    with pytest.raises(ConfigError, match="other data or settings"):
+        finetune(records[:4], base=str(base_dir), config=cfg, out=out)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_interrupted_run_resumes_to_the_same_weights(tmp_path, tok, records):
+    from transformers import TrainerCallback
+
+    from scpdr.testing import tiny_model
+
+    base = (tiny_model(0), tok)
+    cfg = TrainConfig(max_steps=4, save_steps=2, neftune_alpha=5.0, **_FAST)
+    straight = finetune(records, base=base, config=cfg, out=tmp_path / "straight")
+
+    class KillAfterFirstCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == 2:
+                raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        finetune(
+            records,
+            base=base,
+            config=cfg,
+            out=tmp_path / "resumed",
+            callbacks=[KillAfterFirstCheckpoint()],
+        )
+    [tmp] = tmp_path.glob("resumed.tmp-*")
+    assert (tmp / "checkpoint-2").is_dir() and not (tmp_path / "resumed").exists()
+    half = _weights(tmp / "checkpoint-2")
+    resumed = finetune(records, base=base, config=cfg, out=tmp_path / "resumed")
+    info = json.loads((resumed / TRAIN_INFO).read_text())
+    assert info["resumed_from"] == "checkpoint-2" and info["global_step"] == 4
+    a, b = _weights(straight), _weights(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(half[k], b[k]) for k in half)  # it did train after resuming
+
+
+def test_lora_outputs_load_back(tmp_path, tok, records, base_dir):
+    from scpdr.models import load_model
+
+    base = load_model(base_dir)
+    ids = tok(records[0].text, return_tensors="pt")["input_ids"]
+    common = dict(lora=True, max_steps=3, lora_r=4, **_FAST)
+    # all projections + lm_head on a tied model: lm_head is untied and the result saved merged
+    merged = finetune(records, base=str(base_dir), config=TrainConfig(**common), out=tmp_path / "m")
+    assert not (merged / "adapter_config.json").exists()
+    mm = load_model(merged)
+    assert torch.equal(mm.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert not torch.equal(mm.lm_head.weight, base.lm_head.weight)
+    # projections only: a PEFT adapter pointing at its base, loadable by scpdr.models
+    adapter = finetune(
+        records,
+        base=str(base_dir),
+        config=TrainConfig(lora_target_modules=["q_proj", "v_proj"], **common),
+        out=tmp_path / "a",
+    )
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert Path(cfg["base_model_name_or_path"]) == base_dir.resolve()
+    am = load_model(adapter)
+    with torch.no_grad():
+        assert not torch.allclose(am(ids).logits, base(ids).logits)
+    with pytest.raises(ConfigError, match="do not exist"):
+        finetune(
+            records,
+            base=str(base_dir),
+            config=TrainConfig(lora_target_modules=["nope"], **common),
+            out=tmp_path / "x",
+        )
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def test_train_help():
+    from scpdr.cli import main
+
+    assert main(["train", "--help"]) == 0
+
+
+def test_cli_train_tiny_end_to_end(tmp_path, capsys):
+    from scpdr.cli import main
+    from scpdr.data import load_partitions
+    from scpdr.models import read_bundle
+
+    out = tmp_path / "bundle"
+    argv = ["train", "--data", "names2ids", "--n-train", "12", "--n-val", "2", "--partitions", "2"]
+    argv += ["--base", "tiny", "--max-steps", "2", "--out", str(out), "--seq-len", "32"]
+    argv += ["--batch-size", "4", "--canaries", "1,2", "--canaries-per-rep", "1", "--goldfish"]
+    assert main(argv) == 0
+    manifest = read_bundle(out)
+    assert len(manifest.constituents) == 2 and manifest.audit["passed"] is True
+    assert manifest.audit["overridden"] is False
+    pset = load_partitions(out / "partitions")
+    assert manifest.partition_manifest_hash == pset.manifest.sha256()
+    assert len(pset.canaries.inserted) == 2 and pset.canaries.partition == 0
+    for i in range(2):
+        info = json.loads((out / f"constituent-{i}" / TRAIN_INFO).read_text())
+        assert info["global_step"] == 2 and info["config"]["goldfish"] is True
+    assert "wrote bundle" in capsys.readouterr().out
