@@ -230,6 +230,15 @@ def test_scp_delta_r_fast_path_equals_cp_delta_r_of_smoothed_rpds(data):
     np.testing.assert_allclose(fast.double().numpy(), dense.numpy(), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_aggregate_with_components_is_aggregate_plus_the_naf_distributions(method):
+    x, base = make_logits(12, 3, (2,), 4096, 3.0, spikes=2)
+    log_r, comps = naf.aggregate_with_components(method, x, base=base, m=10)
+    assert torch.equal(log_r, naf.aggregate(method, x, base=base, m=10))  # bit-identical
+    want = naf.smoothed_logps(x, base, 10) if method in naf.SCP_METHODS else naf.normalize(x)
+    torch.testing.assert_close(comps, want, atol=0, rtol=0)
+
+
 def test_none_returns_constituent_zero_and_accepts_k1():
     x, _ = make_logits(0, 2, (3,), 50, 2.0)
     out = naf.aggregate("none", x[:1])

@@ -178,15 +178,11 @@ def naf_components(
 
     ``log r = naf.aggregate(method, ...)`` ``(*batch, V)``; the components ``(K, *batch, V)`` are
     the floored constituents, or for the SCP methods the smoothed distributions ``p~_i``
-    (:func:`scpdr.naf.smoothed_logps`, Alg. 1).
+    (:func:`scpdr.naf.smoothed_logps`, Alg. 1), from one smoothing pass
+    (:func:`scpdr.naf.aggregate_with_components`).
     """
     _check_method(method, tuple(KX_DIVERGENCE), "k_x")
-    log_r = naf.aggregate(method, logps, base=base, m=m)
-    if method in naf.SCP_METHODS:
-        comps = naf.smoothed_logps(logps, base, m)
-    else:
-        comps = naf.normalize(_check_logps(logps, method, min_k=1))
-    return log_r, comps
+    return naf.aggregate_with_components(method, logps, base=base, m=m)
 
 
 def k_x(

@@ -44,6 +44,7 @@ __all__ = [
     "METHODS",
     "SCP_METHODS",
     "aggregate",
+    "aggregate_with_components",
     "cp_delta",
     "cp_delta_r",
     "cp_fuse_step",
@@ -281,16 +282,26 @@ def _smoothing(x: Tensor, base: Tensor, m: int) -> _Smoothing:
     return _Smoothing(y_base, mu_base, d, idx, d_top, c)
 
 
+def _checked_smoothing(
+    logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int, method: str, *, min_k: int = 1
+) -> tuple[Tensor, _Smoothing]:
+    x = _check_logps(logps, method, min_k=min_k)
+    b = _check_base(base, x, method)
+    m = _check_m(m, x.shape[-1], method)
+    return x, _smoothing(x, b, m)
+
+
+def _dense(sm: _Smoothing) -> Tensor:
+    """Dense smoothed RPDs ``log S_m(rp_i, rb)`` from the pieces: ``(K, *batch, V)``."""
+    s = (sm.y_base - sm.mu_base).expand(sm.d.shape).clone()  # (K, *batch, V): lr_base
+    return s.scatter_add_(-1, sm.idx, sm.d_top).sub_(sm.c)
+
+
 def _smoothed(
     logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int, method: str, *, min_k: int = 1
 ) -> Tensor:
     """Dense smoothed RPDs ``log S_m(rp_i, rb)``: ``(K, *batch, V)``."""
-    x = _check_logps(logps, method, min_k=min_k)
-    b = _check_base(base, x, method)
-    m = _check_m(m, x.shape[-1], method)
-    sm = _smoothing(x, b, m)
-    s = (sm.y_base - sm.mu_base).expand(sm.d.shape).clone()  # (K, *batch, V): lr_base
-    return s.scatter_add_(-1, sm.idx, sm.d_top).sub_(sm.c)
+    return _dense(_checked_smoothing(logps, base, m, method, min_k=min_k)[1])
 
 
 def smoothed_rpds(
@@ -406,19 +417,24 @@ def scp_delta_r(
 
     Returns ``log r``: ``Tensor[*batch, V]``.
     """
-    x = _check_logps(logps, "scp-delta-r", min_k=2)
-    b = _check_base(base, x, "scp-delta-r")
-    m = _check_m(m, x.shape[-1], "scp-delta-r")
-    k, batch = x.shape[0], tuple(x.shape[1:-1])
-    sm = _smoothing(x, b, m)
-    union = sm.idx.movedim(0, -2).reshape(*batch, k * m)  # (*batch, K*m), duplicates possible
+    x, sm = _checked_smoothing(logps, base, m, "scp-delta-r", min_k=2)
+    return _scp_delta_r_sparse(sm, tuple(x.shape[1:]))
+
+
+def _scp_delta_r_sparse(sm: _Smoothing, shape: tuple[int, ...]) -> Tensor:
+    """SCP-Δr from the smoothing pieces (see :func:`scp_delta_r`); ``shape = (*batch, V)``.
+
+    Consumes ``sm.y_base`` (modified in place when it has the full shape).
+    """
+    k, m = sm.idx.shape[0], sm.idx.shape[-1]
+    union = sm.idx.movedim(0, -2).reshape(*shape[:-1], k * m)  # (*batch, K*m), with duplicates
     d_union = sm.d.gather(-1, union.unsqueeze(0).expand(k, *union.shape))  # (K, *batch, K*m)
     kept = (union.unsqueeze(0).unsqueeze(-1) == sm.idx.unsqueeze(-2)).any(dim=-1)  # same
     g = torch.where(kept, d_union, 0.0).sub_(sm.c).amin(dim=0)  # (*batch, K*m)
     g.add_(sm.c.amax(dim=0))  # minus g off the union, (*batch, 1)
     y_base = sm.y_base
-    if tuple(y_base.shape) != tuple(x.shape[1:]):  # a broadcast base ('c' variant)
-        y_base = y_base.expand(x.shape[1:]).contiguous()
+    if tuple(y_base.shape) != shape:  # a broadcast base ('c' variant)
+        y_base = y_base.expand(shape).contiguous()
     u = y_base.scatter_(-1, union, y_base.gather(-1, union).add_(g))  # (*batch, V), in place
     return torch.log_softmax(u, dim=-1)
 
@@ -434,6 +450,32 @@ def scp_delta(
     """
     s = _smoothed(logps, base, m, "scp-delta", min_k=2)  # (K, *batch, V)
     return torch.log_softmax(torch.log_softmax(s, dim=-1).amin(dim=0), dim=-1)
+
+
+def aggregate_with_components(
+    method: str,
+    logps: Tensor | Sequence[Tensor],
+    *,
+    base: Tensor | None = None,
+    m: int = DEFAULT_M,
+) -> tuple[Tensor, Tensor]:
+    """``(aggregate(method, ...), components)`` in one pass: the aggregate ``(*batch, V)`` and
+    the K distributions ``(K, *batch, V)`` its NAF guarantee refers to.
+
+    The components are the floored constituents (:func:`normalize`), or for the SCP methods the
+    smoothed distributions ``p~_i`` (:func:`smoothed_logps`), computed from the same smoothing
+    as the aggregate. The aggregate is bit-identical to :func:`aggregate`'s.
+    """
+    fn = _lookup(method)
+    if method not in SCP_METHODS:
+        k_min = 1 if method == "none" else 2
+        comps = _normalized(_check_logps(logps, method, min_k=k_min))
+        return fn(logps, base=base, m=m), comps
+    x, sm = _checked_smoothing(logps, base, m, method, min_k=2)
+    comps = torch.log_softmax(_dense(sm), dim=-1)  # (K, *batch, V)
+    if method == "scp-delta-r":
+        return _scp_delta_r_sparse(sm, tuple(x.shape[1:])), comps
+    return torch.log_softmax(comps.amin(dim=0), dim=-1), comps
 
 
 #: Aggregation rules by name (STYLE.md 5, after Opacus ``accountants/registry.py``).
@@ -470,8 +512,12 @@ def aggregate(
         ValueError: bad shapes, K too small, missing base.
         VocabularyMismatchError: base and constituents differ in vocabulary size.
     """
+    return _lookup(method)(logps, base=base, m=m)
+
+
+def _lookup(method: str) -> Callable[..., Tensor]:
     try:
-        fn = METHODS[method]
+        return METHODS[method]
     except (KeyError, TypeError):
         hint = (
             "; CP-Fuse is stateful (it needs the path log-probs): use cp_fuse_step"
@@ -481,7 +527,6 @@ def aggregate(
         raise ConfigError(
             f"unknown NAF method {method!r}; known methods: {', '.join(METHODS)}{hint}"
         ) from None
-    return fn(logps, base=base, m=m)
 
 
 # --------------------------------------------------------------------------------------------
