@@ -178,11 +178,16 @@ class _Certifier:
         self.m = m
 
     def __call__(
-        self, logits: Tensor, base: Tensor | None, path: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        self, logits: Tensor, base: Tensor | None, path: Tensor | None, *, bounds_too: bool = True
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         """``logits`` ``(K, N, V)``, ``base`` ``(N, V)``/``(V,)``/None, ``path`` ``(2, N)``
-        (cp-fuse). Returns ``(log_r (N, V), k_x (N,), t_x (N,), comps (K, N, V) | None)``."""
+        (cp-fuse). Returns ``(log_r (N, V), k_x (N,), t_x (N,), comps (K, N, V) | None)``;
+        without ``bounds_too`` only ``log_r`` is computed (the rest is None)."""
         method = self.method
+        if not bounds_too:
+            if method == "cp-fuse":
+                return naf.cp_fuse_step(logits, 0.0 if path is None else path)[0], None, None, None
+            return naf.aggregate(method, logits, base=base, m=self.m), None, None, None
         if method == "none":
             log_r = naf.normalize(logits[0])
             inf = torch.full(log_r.shape[:-1], math.inf, device=log_r.device)
@@ -466,7 +471,7 @@ class ProtectedLM:
             rows = torch.arange(ids.shape[0], device=mask.device)
             logits = logits[:, rows, last]  # (K', B, V)
             base = None if base is None else base[rows, last]
-        log_r, _, _, _ = self._certify(logits, self._base_for(base), None)
+        log_r, _, _, _ = self._certify(logits, self._base_for(base), None, bounds_too=False)
         return log_r
 
     @torch.inference_mode()
@@ -548,7 +553,8 @@ class ProtectedLM:
             path = (tgt.cumsum(-1) - tgt)[:, valid]  # exclusive prefix sums at valid positions
         flat = logits[:, valid]  # (K', N, V)
         fbase = base[valid] if base is not None else self._base_for(None)
-        log_r, kx, tx, _ = self._certify(flat, fbase, path)
+        need = out_kx is not None or out_tx is not None
+        log_r, kx, tx, _ = self._certify(flat, fbase, path, bounds_too=need)
         tok_lp[sl][valid] = log_r.gather(-1, target[valid].unsqueeze(-1)).squeeze(-1)
         if out_full is not None:
             out_full[sl][valid] = log_r

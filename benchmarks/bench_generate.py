@@ -1,0 +1,150 @@
+"""Throughput of ProtectedLM relative to a single model, on the embedded SmolLM2-135M.
+
+Two "fine-tuned" constituents are copies of the base with perturbed weights (full fine-tune
+size; the weights' values do not matter for timing). Measured round-robin in one run, so that
+every configuration sees the same machine load:
+
+- greedy decoding tokens/s of each method (``ProtectedLM.generate``, no early stop) divided by
+  HF ``generate`` tokens/s of one model, same prompts, B in {1, 8};
+- teacher-forced ``score`` tokens/s (SCP-Δr-b) divided by one model's forward tokens/s.
+
+Goals (issue 3): scp-delta-r-b >= 0.30 (the memory-bound limit with three forwards is 1/3),
+scp-delta-r-c >= 0.45, cp-fuse >= 0.28, score >= 0.30.
+
+    python benchmarks/bench_generate.py [--quick] [--threads N]
+
+Last stdout line: ``{"bench": "generate", "ratios": {"scp-delta-r-b@B1": ..., ...}, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import emit, interleaved_medians, setup
+
+logger = logging.getLogger("scpdr.benchmarks.generate")
+
+GOALS = {
+    "scp-delta-r-b@B1": 0.30,
+    "scp-delta-r-b@B8": 0.30,
+    "scp-delta-r-c@B1": 0.45,
+    "cp-fuse@B1": 0.28,
+    "score@B8": 0.30,
+}
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash table works, and when you would use one instead of a list.",
+    "What are three good habits for keeping a small vegetable garden healthy?",
+    "Summarize the main causes of the French Revolution in a few sentences please.",
+    "Describe the water cycle to a ten year old child in simple, friendly words.",
+    "Give me a recipe for a quick vegetarian dinner that uses chickpeas and rice.",
+    "Why is the sky blue during the day but red and orange during the sunset?",
+    "List some tips for writing clear and maintainable Python code for a team.",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats (< 5 min)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens generated per prompt")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds per batch size")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    args = ap.parse_args(argv)
+    threads = setup(threads=args.threads)
+
+    import torch
+
+    from scpdr import models, testing
+    from scpdr.protected import ProtectedLM
+
+    n_new = args.new_tokens or (8 if args.quick else 32)
+    repeats = args.repeats or (2 if args.quick else 5)
+    base, tok = models.load_base()
+    cons = [testing.perturbed_copy(base, seed=s, scale=0.01) for s in (1, 2)]
+    vec = models.constant_base_vector(base, tok, testing.HELD_OUT_PROMPTS[:16])
+    lms = {
+        "none": ProtectedLM(cons[:1], tok, method="none"),
+        "scp-delta-r-b": ProtectedLM(cons, tok, method="scp-delta-r", base_model=base),
+        "scp-delta-r-c": ProtectedLM(cons, tok, method="scp-delta-r", base_vector=vec),
+        "cp-delta-r": ProtectedLM(cons, tok, method="cp-delta-r"),
+        "cp-fuse": ProtectedLM(cons, tok, method="cp-fuse"),
+    }
+    single = cons[0]
+    tok.padding_side = "left"
+
+    ratios: dict[str, float | None] = {}
+    ms: dict[str, float] = {}
+    for b in args.batch_sizes:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
+        enc = tok(prompts, return_tensors="pt", padding=True)
+
+        def hf(enc=enc):
+            with torch.inference_mode():
+                single.generate(
+                    **enc,
+                    max_new_tokens=n_new,
+                    min_new_tokens=n_new,
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                )
+
+        fns = {"hf-generate": hf}
+        if args.quick:  # the keys the issue names
+            names = ["scp-delta-r-b", "scp-delta-r-c", "cp-fuse"] if b == 1 else ["scp-delta-r-b"]
+        else:
+            names = list(lms) if b == 1 else ["none", "scp-delta-r-b", "scp-delta-r-c", "cp-fuse"]
+        for name in names:
+            lm = lms[name]
+            fns[name] = lambda lm=lm, prompts=prompts: lm.generate(
+                prompts, max_new_tokens=n_new, stop_at_eos=False
+            )
+        logger.info("B=%d: timing %s (%d rounds, %d new tokens)", b, list(fns), repeats, n_new)
+        med = interleaved_medians(fns, repeats=repeats, warmup=1)
+        for name, sec in med.items():
+            ms[f"{name}@B{b}"] = round(1000 * sec / n_new, 2)  # ms per generated step
+            if name != "hf-generate":
+                ratios[f"{name}@B{b}"] = round(med["hf-generate"] / sec, 3)
+
+    # Teacher-forced scoring: B = 8 sequences of T tokens.
+    t_len = 32 if args.quick else 128
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, tok.vocab_size, (8, t_len), generator=g)
+    mask = torch.ones_like(ids)
+
+    def fwd():
+        with torch.inference_mode():
+            single(input_ids=ids, attention_mask=mask, use_cache=False)
+
+    scorer = lms["scp-delta-r-b"]
+    med = interleaved_medians(
+        {"forward": fwd, "score": lambda: scorer.score(ids, mask)}, repeats=repeats, warmup=1
+    )
+    ratios["score@B8"] = round(med["forward"] / med["score"], 3)
+    ms["forward@B8xT"] = round(1000 * med["forward"], 1)
+    ms["score@B8xT"] = round(1000 * med["score"], 1)
+
+    met = {k: (ratios.get(k) is not None and ratios[k] >= v) for k, v in GOALS.items()}
+    for k, v in ratios.items():
+        logger.info("%-20s %.3f%s", k, v, f"  (goal {GOALS[k]})" if k in GOALS else "")
+    emit(
+        "generate",
+        ratios,
+        goals=GOALS,
+        goals_met=met,
+        ms_per_step=ms,
+        new_tokens=n_new,
+        score_len=t_len,
+        threads=threads,
+        quick=args.quick,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
