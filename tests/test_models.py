@@ -83,6 +83,39 @@ def test_build_dir_atomically_leaves_no_half_dir(tmp_path):
     assert (final / "f").read_text() == "ok" and calls == [2]
 
 
+def _slow_build(tmp: Path) -> None:
+    import time
+
+    with open(tmp.parent / "builds.log", "a") as fh:
+        fh.write("build\n")
+    (tmp / "part1").write_text("1")
+    time.sleep(0.5)
+    (tmp / "part2").write_text("2")
+
+
+def _race(final: str, out: str) -> None:
+    d = models._build_dir_atomically(Path(final), _slow_build)
+    Path(out).write_text(",".join(sorted(p.name for p in d.iterdir())))
+
+
+def test_concurrent_processes_build_once_and_never_see_half_dir(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    final = tmp_path / "model"
+    procs = [
+        ctx.Process(target=_race, args=(str(final), str(tmp_path / f"seen{i}"))) for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert (tmp_path / "builds.log").read_text() == "build\n"
+    for i in range(2):
+        assert (tmp_path / f"seen{i}").read_text() == ".scpdr-converted,part1,part2"
+
+
 def test_load_model_hf_dir_roundtrip(tiny_dirs, tok):
     m = models.load_model(tiny_dirs / "base")
     assert not m.training
