@@ -307,6 +307,9 @@ class ProtectedLM:
             self._run.append(self.base_model)
         self._certify = _Certifier(method, m)
         self._eos_ids = self._collect_eos_ids()
+        #: scpdr.lora_fast.StackedLoRA when the run models are LoRA groups over one base (set by
+        #: from_bundle): one stacked forward replaces the per-model loop.
+        self._stacked: Any = None
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -355,7 +358,17 @@ class ProtectedLM:
             )
         refs = manifest.constituents[:1] if method == "none" else manifest.constituents
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        constituents = [M.load_model(manifest.resolve(path, r), dtype=dtype).to(dev) for r in refs]
+        from scpdr.lora_fast import stacked_from_bundle
+
+        stacked = stacked_from_bundle(
+            path, manifest, method=method, base=base, dtype=dtype, device=dev
+        )  # None: not LoRA adapters over one base (reason logged)
+        if stacked is not None:
+            constituents = stacked.views[: len(refs)]
+        else:
+            constituents = [
+                M.load_model(manifest.resolve(path, r), dtype=dtype).to(dev) for r in refs
+            ]
         base_model = base_vector = None
         if method in naf.SCP_METHODS:
             if base == "constant":
@@ -372,10 +385,13 @@ class ProtectedLM:
                         f"bundle {path} has no base model; use base='constant' or rebuild it "
                         "with `scpdr bundle --base REF`"
                     )
-                base_model = M.load_model(manifest.resolve(path, manifest.base), dtype=dtype).to(
-                    dev
-                )
-        return cls(
+                if stacked is not None:
+                    base_model = stacked.views[-1]
+                else:
+                    base_model = M.load_model(
+                        manifest.resolve(path, manifest.base), dtype=dtype
+                    ).to(dev)
+        lm = cls(
             constituents,
             tok,
             base_model=base_model,
@@ -384,6 +400,8 @@ class ProtectedLM:
             m=m,
             names=list(refs),
         )
+        lm._stacked = stacked
+        return lm
 
     @classmethod
     def from_model(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ProtectedLM:
@@ -413,6 +431,10 @@ class ProtectedLM:
         logits_to_keep: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
         """Run every needed model: ``(logits (K', B, T', V) float32, base (B, T', V) | None)``."""
+        if self._stacked is not None:  # LoRA groups over one base: one stacked forward
+            cache = None if caches is None else caches[0]
+            out = self._stacked(input_ids, mask, positions, cache, logits_to_keep)  # (G,B,T',V)
+            return (out[:-1], out[-1]) if self.variant == "b" else (out, None)
         outs = []
         for i, model in enumerate(self._run):
             kwargs: dict[str, Any] = {}
@@ -852,7 +874,10 @@ class _Decoder:
             ids[i, t - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, t - len(p) :] = 1
         self.ids, self.mask = ids.to(dev), mask.to(dev)
-        self.caches = [DynamicCache() for _ in lm._run]
+        if lm._stacked is not None:  # one cache for the stacked batch
+            self.caches = lm._stacked.new_caches()
+        else:
+            self.caches = [DynamicCache() for _ in lm._run]
         self.generators = generators
         self.path = torch.zeros(2, len(prompts), device=dev) if lm.method == "cp-fuse" else None
         self.next_pos = self.mask.sum(-1)  # (B,)
