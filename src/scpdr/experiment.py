@@ -35,7 +35,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,8 +127,8 @@ class CanaryConfig(_Section):
         default_factory=lambda: [1, 3, 10],
         description="how many times each canary is inserted; one group of canaries per value",
     )
-    per_repetition: int = Field(5, ge=1, description="canaries per repetition count")
-    words: int = Field(3, ge=1, description="random words per canary (the secret part)")
+    n_per_repetition: int = Field(5, ge=1, description="canaries per repetition count")
+    num_words: int = Field(3, ge=1, le=16, description="random words per canary (the secret part)")
     partition: int = Field(0, ge=0, description="the partition the canaries are inserted into")
 
     @field_validator("repetitions")
@@ -234,7 +234,7 @@ class PartitionConfig(_Section):
 
     k: int = Field(2, ge=2, description="number of partitions = constituents (K)")
     near_duplicate_threshold: float = Field(
-        0.8, gt=0.0, le=1.0, description="Jaccard threshold for grouping near-duplicates"
+        0.7, gt=0.0, lt=1.0, description="shingle Jaccard at or above which records are grouped"
     )
     num_perm: int = Field(128, ge=16, description="MinHash permutations")
     allow_overlap: bool = Field(
@@ -243,26 +243,33 @@ class PartitionConfig(_Section):
 
 
 class TrainSection(_Section):
-    """Fine-tuning of every constituent (paper App. E, Table 'training defaults')."""
+    """Fine-tuning of every constituent (paper App. E, Table "training defaults"); mapped onto
+    :class:`scpdr.train.TrainConfig`. Fields left null take the paper's default for the mode
+    (full fine-tuning / LoRA)."""
 
-    epochs: int = Field(50, ge=1, description="training epochs")
-    learning_rate: float = Field(5e-5, gt=0.0, description="peak learning rate")
-    batch_size: int = Field(1, ge=1, description="per-device batch size")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="gradient accumulation")
-    seq_len: int = Field(2048, ge=8, description="sequence length (examples joined with EOS)")
+    epochs: int | None = Field(None, ge=1, description="training epochs (paper: 50 / LoRA 20)")
+    learning_rate: float | None = Field(
+        None, gt=0.0, description="peak learning rate (paper: 5e-5 / LoRA 5e-4)"
+    )
+    batch_size: int | None = Field(None, ge=1, description="sequences per step (paper: 1 / 64)")
+    grad_accum: int = Field(1, ge=1, description="gradient accumulation steps")
+    seq_len: int = Field(2048, ge=8, description="sequence length in tokens")
+    packing: bool | None = Field(
+        None, description="concatenate examples with EOS (paper: full FT) or pad each (LoRA)"
+    )
     warmup_steps: int = Field(50, ge=0, description="linear warm-up steps")
     max_grad_norm: float = Field(2.0, gt=0.0, description="gradient clipping norm")
-    neftune_noise_alpha: float | None = Field(
-        5.0, ge=0.0, description="NEFTune noise (full fine-tuning only; null to disable)"
+    neftune_alpha: float | None = Field(
+        None, ge=0.0, description="NEFTune noise alpha (paper: 5 full / none LoRA; 0 disables)"
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (smoke runs)")
     lora: bool = Field(False, description="train LoRA adapters instead of full fine-tuning")
     lora_r: int = Field(64, ge=1, description="LoRA rank")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha")
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
     extra: dict[str, Any] = Field(
-        default_factory=dict, description="further scpdr.train.TrainConfig fields, passed through"
+        default_factory=dict,
+        description="further scpdr.train.TrainConfig fields (e.g. optim, bf16), passed through",
     )
 
 
@@ -399,6 +406,11 @@ class ExperimentConfig(_Section):
                     f"corpora.{i}.canaries.partition: must be < partitions.k = "
                     f"{self.partitions.k} (got {c.canaries.partition})"
                 )
+        if "cp-fuse" in self.methods and self.partitions.k != 2:
+            raise ValueError(
+                f"methods: cp-fuse fuses exactly 2 constituents, but partitions.k = "
+                f"{self.partitions.k}; drop cp-fuse or use k = 2"
+            )
         if self.bounds.methods is not None:
             _check_methods(self.bounds.methods, where="bounds.methods")
         bad = [m for m in self.attacks.generations.methods if m not in self.all_methods]
@@ -453,18 +465,23 @@ class ExperimentConfig(_Section):
         return validate_config(data)
 
 
-def _check_methods(v: Sequence[str], *, where: str = "methods") -> list[str]:
+def _check_methods(v: Sequence[str], *, where: str | None = None) -> list[str]:
+    """Known, non-empty, unique method names; ``where`` prefixes the message (model validators,
+    whose errors carry no key path of their own)."""
+    prefix = f"{where}: " if where else ""
     known = list(METHOD_SPECS)
     bad = [m for m in v if m not in METHOD_SPECS]
     if bad:
         hint = ""
         if "scp-delta-r" in bad:
             hint = " (name the SCP-Δr variant: 'scp-delta-r-b' or 'scp-delta-r-c')"
-        raise ValueError(f"unknown method(s) {bad}{hint}; known: {known}")
+        raise ValueError(f"{prefix}unknown method(s) {bad}{hint}; known: {known}")
     if not v:
-        raise ValueError("must list at least one method")
+        raise ValueError(f"{prefix}must list at least one method")
     if len(set(v)) != len(v):
-        raise ValueError(f"methods repeated: {sorted({m for m in v if list(v).count(m) > 1})}")
+        raise ValueError(
+            f"{prefix}methods repeated: {sorted({m for m in v if list(v).count(m) > 1})}"
+        )
     return list(v)
 
 
@@ -557,8 +574,10 @@ def validate_config(data: Mapping[str, Any], *, source: str | None = None) -> Ex
         raise ConfigError(_format_validation_error(exc, source=source)) from None
 
 
-def load_config(path: str | os.PathLike[str]) -> ExperimentConfig:
-    """Read and validate a YAML config. Relative corpus paths are resolved against its dir."""
+def load_config(path: str | os.PathLike[str], *, _depth: int = 0) -> ExperimentConfig:
+    """Read and validate a YAML config. Relative paths (corpus sources, base model) resolve
+    against the config's dir; ``extends: OTHER.yaml`` starts from another config and overrides
+    it key by key (mappings merge, lists replace)."""
     import yaml
 
     path = Path(path)
@@ -575,7 +594,26 @@ def load_config(path: str | os.PathLike[str]) -> ExperimentConfig:
         raise ConfigError(f"{path}: the config is empty; see configs/demo.yaml for an example")
     if isinstance(data, Mapping):
         data = _resolve_paths(dict(data), path.parent)
+        parent = data.pop("extends", None)
+        if parent is not None:
+            if not isinstance(parent, str):
+                raise ConfigError(f"{path}: extends: must be a path to another config")
+            if _depth > 8:
+                raise ConfigError(f"{path}: extends: chain too deep (a cycle?)")
+            base = load_config(path.parent / parent, _depth=_depth + 1)
+            data = _deep_merge(base.model_dump(mode="json"), data)
     return validate_config(data, source=str(path))
+
+
+def _deep_merge(base: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """``patch`` over ``base``: mappings merge key by key, everything else (lists too) replaces."""
+    out = dict(base)
+    for key, value in patch.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
 
 
 def _resolve_paths(data: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -884,3 +922,1026 @@ def _run_lock(out: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan: config → stages
+# --------------------------------------------------------------------------------------------
+
+TARGETS_NAME = "targets.json"
+ROWS_NAME = "rows.json"
+
+
+def _stage_inputs_corpus(cfg: ExperimentConfig, corpus: CorpusConfig) -> dict[str, Any]:
+    return {
+        "source": corpus.resolved_source,
+        "source_fingerprint": _source_fingerprint(corpus.resolved_source),
+        "n_train": corpus.n_train,
+        "n_val": corpus.n_val,
+        "fields": corpus.fields,
+        "canaries": corpus.canaries.model_dump() if corpus.canaries else None,
+        "seed": cfg.seed,
+    }
+
+
+def _source_fingerprint(source: str) -> str | None:
+    """Size and mtime of a user data file (a changed file re-runs the data stage)."""
+    if source in BUILTIN_CORPORA:
+        return None
+    p = Path(source).expanduser()
+    if p.is_file():
+        st = p.stat()
+        return f"{st.st_size}:{int(st.st_mtime)}"
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file())
+        return hashlib.sha256(
+            "".join(
+                f"{f.relative_to(p)}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files
+            ).encode()
+        ).hexdigest()
+    return None
+
+
+def _train_inputs(cfg: ExperimentConfig) -> dict[str, Any]:
+    return {"train": cfg.train.model_dump(), "base": cfg.base, "seed": cfg.seed}
+
+
+@dataclasses.dataclass
+class _CorpusStages:
+    corpus: CorpusConfig
+    data: Stage
+    partitions: Stage
+    constituents: list[Stage]
+    bundle: Stage
+    reference: Stage | None = None
+    ref_bundle: Stage | None = None
+    goldfish: Stage | None = None
+
+
+def plan(cfg: ExperimentConfig) -> tuple[list[Stage], Stage]:
+    """All stages of ``cfg`` (main run and sweep points) and the report stage."""
+    base_stage = _base_stage(cfg)
+    main = _plan_point(cfg, base_stage)
+    sources: list[tuple[str, Stage, dict[str, Any]]] = [(s.name, s, {}) for s in main]
+    stages = list(main)
+    for i, sweep in enumerate(cfg.sweeps):
+        for value in sweep.values:
+            point_cfg = _sweep_point(cfg, sweep, value, where=f"sweeps.{i}")
+            point = _plan_point(point_cfg, _base_stage(point_cfg))
+            tag = {"sweep": sweep.key, "sweep_value": value}
+            stages += point
+            sources += [(f"sweep{i}={value!s}:{s.name}", s, tag) for s in point]
+    result_stages = [(role, s, tag) for role, s, tag in sources if s.kind in ("attack", "bounds")]
+    report = Stage(
+        name="report",
+        kind="report",
+        inputs={
+            "report": cfg.report.model_dump(),
+            "title": cfg.report.title or cfg.name,
+            "labels": {c.name: c.resolved_label for c in cfg.corpora},
+            "methods": cfg.all_methods,
+            "generation_methods": cfg.attacks.generations.methods,
+            "tags": {role: tag for role, _, tag in result_stages},
+            "summary": _summary(cfg),
+        },
+        run=_run_report,
+        deps={role: s for role, s, _ in result_stages},
+    )
+    return stages, report
+
+
+def _summary(cfg: ExperimentConfig) -> str:
+    corpora = ", ".join(
+        f"{c.resolved_label} ({c.resolved_source}, {c.n_train} train / {c.n_val} val"
+        + (f", canaries ×{c.canaries.repetitions}" if c.canaries else "")
+        + ")"
+        for c in cfg.corpora
+    )
+    t = cfg.train
+    mode = "LoRA" if t.lora else "full fine-tuning"
+    epochs = t.epochs if t.epochs is not None else (20 if t.lora else 50)
+    lr = t.learning_rate if t.learning_rate is not None else (5e-4 if t.lora else 5e-5)
+    steps = f", max {t.max_steps} steps" if t.max_steps else ""
+    return (
+        f"Base model: {cfg.base}. Data: {corpora}. K = {cfg.partitions.k} partitions; {mode}, "
+        f"{epochs} epochs, lr {lr:g}{steps}. Smoothing m = {cfg.m}."
+    )
+
+
+def _sweep_point(
+    cfg: ExperimentConfig, sweep: SweepConfig, value: Any, *, where: str
+) -> ExperimentConfig:
+    try:
+        point = cfg.with_value(sweep.key, value)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{where}: value {value!r} for {sweep.key!r} is invalid:\n{exc}"
+        ) from None
+    data = point.model_dump()
+    data["sweeps"] = []
+    if sweep.methods is not None:
+        data["methods"] = [m for m in point.methods if m in sweep.methods]
+        if "goldfish" not in sweep.methods:
+            data["baselines"]["goldfish"] = None
+        data["attacks"]["generations"]["methods"] = [
+            m for m in point.attacks.generations.methods if m in sweep.methods
+        ]
+    if sweep.attacks is not None:
+        for c in data["corpora"]:
+            current = CorpusConfig.model_validate(c).resolved_attacks
+            c["attacks"] = [a for a in current if a in sweep.attacks]
+        if "bounds" not in sweep.attacks:
+            data["bounds"]["enabled"] = False
+    return validate_config(data)
+
+
+def _base_stage(cfg: ExperimentConfig) -> Stage | None:
+    if cfg.base != "tiny":
+        return None
+    return Stage(name="base/tiny", kind="train", inputs={"seed": cfg.seed}, run=_run_tiny_base)
+
+
+def _plan_point(cfg: ExperimentConfig, base_stage: Stage | None) -> list[Stage]:
+    stages: list[Stage] = []
+    if base_stage is not None:
+        stages.append(base_stage)
+    base_deps = {"base": base_stage} if base_stage is not None else {}
+    for corpus in cfg.corpora:
+        cs = _plan_corpus(cfg, corpus, base_deps)
+        stages += [cs.data, cs.partitions, *cs.constituents]
+        stages += [s for s in (cs.reference, cs.goldfish) if s is not None]
+        stages += [s for s in (cs.bundle, cs.ref_bundle) if s is not None]
+        stages += _plan_attacks(cfg, cs)
+        if cfg.bounds.enabled and len(cfg.bound_methods) > 0:
+            deps = {"bundle": cs.bundle, "partitions": cs.partitions}
+            if cs.ref_bundle is not None and cfg.bounds.v_x:
+                deps["ref_bundle"] = cs.ref_bundle
+            stages.append(
+                Stage(
+                    name=f"bounds/{corpus.name}",
+                    kind="bounds",
+                    inputs={
+                        "bounds": cfg.bounds.model_dump(),
+                        "methods": cfg.bound_methods,
+                        "m": cfg.m,
+                        "corpus": corpus.name,
+                        "batch_size": cfg.attacks.batch_size,
+                        "seed": cfg.seed,
+                    },
+                    run=_run_bounds,
+                    deps=deps,
+                )
+            )
+    return stages
+
+
+def _plan_corpus(
+    cfg: ExperimentConfig, corpus: CorpusConfig, base_deps: dict[str, Stage]
+) -> _CorpusStages:
+    data = Stage(
+        name=f"data/{corpus.name}",
+        kind="data",
+        inputs=_stage_inputs_corpus(cfg, corpus),
+        run=_run_data,
+    )
+    partitions = Stage(
+        name=f"partitions/{corpus.name}",
+        kind="partitions",
+        inputs={
+            "partitions": cfg.partitions.model_dump(),
+            "seed": cfg.seed,
+            "holdout": cfg.references.holdout,
+        },
+        run=_run_partitions,
+        deps={"data": data},
+    )
+    train_in = _train_inputs(cfg)
+    constituents = [
+        Stage(
+            name=f"train/{corpus.name}/c{i}",
+            kind="train",
+            inputs={**train_in, "partition": i, "role": "constituent"},
+            run=_run_train,
+            deps={"partitions": partitions, **base_deps},
+        )
+        for i in range(cfg.partitions.k)
+    ]
+    bundle = Stage(
+        name=f"bundle/{corpus.name}",
+        kind="bundle",
+        inputs={"base": cfg.base, "n_constant_prompts": 100},
+        run=_run_bundle,
+        deps={
+            "partitions": partitions,
+            **{f"c{i}": s for i, s in enumerate(constituents)},
+            **base_deps,
+        },
+    )
+    cs = _CorpusStages(corpus, data, partitions, constituents, bundle)
+    if cfg.needs_reference:
+        cs.reference = Stage(
+            name=f"train/{corpus.name}/ref",
+            kind="train",
+            inputs={**train_in, "partition": 0, "role": "reference"},
+            run=_run_train,
+            deps={"partitions": partitions, **base_deps},
+        )
+        cs.ref_bundle = Stage(
+            name=f"bundle/{corpus.name}/ref",
+            kind="bundle",
+            inputs={"base": cfg.base, "reference": True},
+            run=_run_ref_bundle,
+            deps={
+                "main": bundle,
+                "c0": cs.reference,
+                **{f"c{i}": s for i, s in enumerate(constituents) if i > 0},
+            },
+        )
+    if cfg.baselines.goldfish is not None:
+        cs.goldfish = Stage(
+            name=f"train/{corpus.name}/goldfish",
+            kind="train",
+            inputs={
+                **train_in,
+                "partition": 0,
+                "role": "goldfish",
+                "goldfish": cfg.baselines.goldfish.model_dump(),
+            },
+            run=_run_train,
+            deps={"partitions": partitions, **base_deps},
+        )
+    return cs
+
+
+def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
+    corpus = cs.corpus
+    out: list[Stage] = []
+    attacks = corpus.resolved_attacks
+    for method in cfg.all_methods:
+        for attack in attacks:
+            if attack == "generations" and method not in cfg.attacks.generations.methods:
+                continue
+            if attack == "lira" and cs.ref_bundle is None:
+                continue
+            section = getattr(cfg.attacks, attack).model_dump()
+            inputs: dict[str, Any] = {
+                "method": method,
+                "attack": attack,
+                "config": section,
+                "corpus": corpus.name,
+                "batch_size": cfg.attacks.batch_size,
+                "seed": cfg.seed,
+            }
+            if method in SMOOTHED_METHODS:
+                inputs["m"] = cfg.m
+            if attack == "lira":
+                inputs["holdout"] = cfg.references.holdout
+            deps: dict[str, Stage] = {"bundle": cs.bundle, "partitions": cs.partitions}
+            if attack == "lira" and cs.ref_bundle is not None:
+                deps["ref_bundle"] = cs.ref_bundle
+                if method in ("none", "goldfish") and cs.reference is not None:
+                    deps["reference"] = cs.reference
+            if method == "goldfish" and cs.goldfish is not None:
+                deps["goldfish"] = cs.goldfish
+            out.append(
+                Stage(
+                    name=f"attack/{corpus.name}/{method}/{attack}",
+                    kind="attack",
+                    inputs=inputs,
+                    run=_run_attack,
+                    deps=deps,
+                )
+            )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Running an experiment
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ExperimentResult:
+    """What :func:`run_experiment` returns."""
+
+    out: Path
+    rows: list[dict[str, Any]]
+    outcomes: list[StageOutcome]
+    report_md: Path
+    report_html: Path
+    results_json: Path
+    main_table: Any  # scpdr.report.Table
+
+    @property
+    def ran(self) -> list[str]:
+        return [o.name for o in self.outcomes if o.status == "ran"]
+
+    @property
+    def cached(self) -> list[str]:
+        return [o.name for o in self.outcomes if o.status == "cached"]
+
+
+def run_experiment(
+    config: ExperimentConfig | str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    force: Sequence[str] = (),
+    progress: bool = True,
+    keep_stale: bool = False,
+) -> ExperimentResult:
+    """Run (or resume) every stage of ``config`` under ``out`` and publish the report.
+
+    ``out`` receives ``results.json``, ``report.md``, ``report.html``, ``plots/`` and the stage
+    cache ``stages/``. ``force``: stage names or glob patterns (``"attack/*"``, ``"train"``) to
+    re-run even when cached. Cached dirs of the same stages with outdated hashes are deleted
+    unless ``keep_stale``.
+    """
+    config_text: str | None = None
+    if not isinstance(config, ExperimentConfig):
+        config_text = Path(config).read_text(encoding="utf-8")
+        config = load_config(config)
+    out = Path(out)
+    with _run_lock(out):
+        stages, report = plan(config)
+        report.inputs["config_text"] = config_text or _dump_yaml(config)
+        report.__post_init__()  # re-hash with the config text
+        runner = StageRunner(out, config, progress=progress)
+        try:
+            outcomes = runner.run_all([*stages, report], force=force)
+        finally:
+            runner.cache.clear()
+        if not keep_stale:
+            removed = runner.collect_garbage([*stages, report])
+            if removed:
+                logger.info("removed %d outdated stage dir(s)", len(removed))
+        report_dir = runner.stage_dir(report)
+        _publish(report_dir, out)
+    rows = read_json(out / "results.json")
+    from scpdr.report.tables import main_table
+
+    table = main_table(
+        rows,
+        methods=config.all_methods,
+        corpus_labels={c.name: c.resolved_label for c in config.corpora},
+    )
+    return ExperimentResult(
+        out=out,
+        rows=rows,
+        outcomes=outcomes,
+        report_md=out / "report.md",
+        report_html=out / "report.html",
+        results_json=out / "results.json",
+        main_table=table,
+    )
+
+
+def _dump_yaml(cfg: ExperimentConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def _publish(report_dir: Path, out: Path) -> None:
+    """Copy the report stage's outputs to the top of ``out`` (atomically per file)."""
+    from scpdr.io import atomic_write
+
+    for name in ("results.json", "report.md", "report.html"):
+        src = report_dir / name
+        atomic_write(out / name, lambda p, src=src: shutil.copyfile(src, p))
+    plots_src = report_dir / "plots"
+    plots_dst = out / "plots"
+    if plots_dst.exists():
+        shutil.rmtree(plots_dst)
+    if plots_src.is_dir():
+        shutil.copytree(plots_src, plots_dst)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage implementations
+# --------------------------------------------------------------------------------------------
+
+
+def _corpus_cfg(ctx: StageContext, name: str) -> CorpusConfig:
+    for c in ctx.config.corpora:
+        if c.name == name:
+            return c
+    raise ScpdrError(f"corpus {name!r} is not in the config")  # pragma: no cover
+
+
+def _run_tiny_base(ctx: StageContext) -> None:
+    from scpdr.testing import tiny_model, tiny_tokenizer
+
+    model = tiny_model(int(ctx.stage.inputs["seed"]))
+    model.save_pretrained(str(ctx.dir / "model"))
+    tiny_tokenizer().save_pretrained(str(ctx.dir / "model"))
+
+
+def _base_ref(ctx: StageContext) -> str:
+    if "base" in ctx.deps:
+        return str(ctx.deps["base"] / "model")
+    return ctx.config.base
+
+
+def _run_data(ctx: StageContext) -> None:
+    import random
+
+    from scpdr.data import CanaryConfig as DataCanaryConfig
+    from scpdr.data import build_corpus, load_records, make_canaries, save_records
+
+    inp = ctx.stage.inputs
+    source, n_train, n_val, seed = inp["source"], inp["n_train"], inp["n_val"], inp["seed"]
+    if source in BUILTIN_CORPORA:
+        corpus = build_corpus(source, n_train=n_train, n_val=n_val, seed=seed)
+        train, val = corpus.train, corpus.validation
+    else:
+        records = load_records(source, fields=inp["fields"] or None)
+        rng = random.Random(f"experiment-data:{seed}")
+        order = list(range(len(records)))
+        rng.shuffle(order)
+        if len(records) < n_val + 2:
+            raise ConfigError(
+                f"{source} has {len(records)} records; need more than n_val + 1 = {n_val + 1}"
+            )
+        val = [records[i] for i in order[:n_val]]
+        train = [records[i] for i in order[n_val : n_val + n_train]]
+        if len(train) < n_train:
+            logger.warning("%s: only %d training records (n_train=%d)", source, len(train), n_train)
+    save_records(ctx.dir / "train.jsonl", train)
+    save_records(ctx.dir / "validation.jsonl", val)
+    can = inp["canaries"]
+    if can is not None:
+        registry = make_canaries(
+            DataCanaryConfig(
+                n_per_repetition=can["n_per_repetition"],
+                repetitions=tuple(can["repetitions"]),
+                num_words=can["num_words"],
+                partition=can["partition"],
+                seed=seed,
+            )
+        )
+        registry.save(ctx.dir / "canaries.json")
+    atomic_write_json(ctx.dir / "meta.json", {"n_train": len(train), "n_val": len(val)})
+
+
+def _run_partitions(ctx: StageContext) -> None:
+    import random
+
+    from scpdr.data import (
+        CanaryRegistry,
+        GroupingConfig,
+        audit_partitions,
+        load_records,
+        partition_records,
+        save_partitions,
+    )
+
+    pcfg = PartitionConfig.model_validate(ctx.stage.inputs["partitions"])
+    seed = int(ctx.stage.inputs["seed"])
+    data = ctx.dep("data")
+    train = load_records(data / "train.jsonl")
+    val = load_records(data / "validation.jsonl")
+    registry = (
+        CanaryRegistry.load(data / "canaries.json") if (data / "canaries.json").exists() else None
+    )
+    grouping = GroupingConfig(threshold=pcfg.near_duplicate_threshold, num_perm=pcfg.num_perm)
+    pset = partition_records(
+        train,
+        k=pcfg.k,
+        seed=seed,
+        grouping=grouping,
+        canaries=registry,
+        validation=val,
+        dataset={"records": str(data / "train.jsonl")},
+    )
+    audit = audit_partitions(pset.manifest, pset.records(), canaries=registry)
+    audit_dict = audit.to_dict()
+    audit_dict["overridden"] = bool(pcfg.allow_overlap and not audit.passed)
+    atomic_write_json(ctx.dir / "audit.json", audit_dict)
+    if not audit.passed:
+        if not pcfg.allow_overlap:
+            audit.raise_if_failed()
+        logger.warning("partition audit FAILED; continuing because partitions.allow_overlap is set")
+    save_partitions(ctx.dir / "partitions", pset)
+    # The targets of LiRA / v_x: partition-0 examples left out of the reference model p0.
+    holdout = int(ctx.stage.inputs["holdout"])
+    canary_ids = {r.id for r in registry.records()} if registry is not None else set()
+    pool = [r.id for r in pset.parts[0] if r.id not in canary_ids]
+    rng = random.Random(f"experiment-targets:{seed}")
+    rng.shuffle(pool)
+    if holdout and len(pool) <= holdout:
+        raise ConfigError(
+            f"references.holdout: must be < the {len(pool)} non-canary examples of partition 0 "
+            f"(got {holdout}); raise n_train or lower the holdout"
+        )
+    atomic_write_json(ctx.dir / TARGETS_NAME, {"holdout": sorted(pool[:holdout])})
+
+
+def _load_pset(path: Path) -> Any:
+    from scpdr.data import load_partitions
+
+    return load_partitions(path / "partitions")
+
+
+def _training_records(ctx: StageContext) -> list[Any]:
+    pset = _load_pset(ctx.dep("partitions"))
+    i = int(ctx.stage.inputs["partition"])
+    records = list(pset.parts[i])
+    if ctx.stage.inputs["role"] == "reference":
+        drop = set(read_json(ctx.dep("partitions") / TARGETS_NAME)["holdout"])
+        if pset.canaries is not None:
+            drop |= {r.id for r in pset.canaries.records()}
+        records = [r for r in records if r.id not in drop]
+    return records
+
+
+def _run_train(ctx: StageContext) -> None:
+    from scpdr import train as T
+
+    records = _training_records(ctx)
+    tcfg = TrainSection.model_validate(ctx.stage.inputs["train"])
+    goldfish = ctx.stage.inputs.get("goldfish")
+    config = _train_config(T, tcfg, goldfish=goldfish, seed=int(ctx.stage.inputs["seed"]))
+    T.finetune(records, base=_base_ref(ctx), config=config, out=ctx.dir / "model")
+
+
+def _train_config(
+    T: Any, tcfg: TrainSection, *, goldfish: Mapping[str, Any] | None, seed: int
+) -> Any:
+    """Map the experiment's train section onto ``scpdr.train.TrainConfig``."""
+    fields: dict[str, Any] = {
+        "lora": tcfg.lora,
+        "grad_accum": tcfg.grad_accum,
+        "seq_len": tcfg.seq_len,
+        "warmup_steps": tcfg.warmup_steps,
+        "max_grad_norm": tcfg.max_grad_norm,
+        "lora_r": tcfg.lora_r,
+        "lora_alpha": tcfg.lora_alpha,
+        "lora_dropout": tcfg.lora_dropout,
+        "seed": seed,
+        "progress": False,
+    }
+    for name in ("epochs", "learning_rate", "batch_size", "packing", "neftune_alpha"):
+        value = getattr(tcfg, name)
+        if value is not None:
+            fields[name] = value
+    if tcfg.max_steps is not None:
+        fields["max_steps"] = tcfg.max_steps
+    if goldfish is not None:
+        fields.update(goldfish=True, goldfish_k=goldfish["k"], goldfish_h=goldfish["h"])
+    fields.update(tcfg.extra)
+    try:
+        return T.TrainConfig(**fields)
+    except ValueError as exc:
+        raise ConfigError(f"train: {exc}") from None
+
+
+def _validation_texts(pset: Any, n: int | None = None) -> list[str]:
+    texts = [r.text for r in pset.validation]
+    return texts[:n] if n is not None else texts
+
+
+def _run_bundle(ctx: StageContext) -> None:
+    from scpdr.models import constant_base_vector, load_model, load_tokenizer, write_bundle
+
+    pset = _load_pset(ctx.dep("partitions"))
+    base = _base_ref(ctx)
+    prompts = _validation_texts(pset, int(ctx.stage.inputs["n_constant_prompts"]))
+    base_model = load_model(base)
+    vec = constant_base_vector(base_model, load_tokenizer(base), prompts)
+    del base_model
+    k = sum(1 for r in ctx.deps if re.fullmatch(r"c\d+", r))
+    write_bundle(
+        ctx.dir / "bundle",
+        base=base,
+        constituents=[ctx.dep(f"c{i}") / "model" for i in range(k)],
+        partition_manifest_hash=pset.manifest.sha256(),
+        audit=read_json(ctx.dep("partitions") / "audit.json"),
+        constant_base=vec,
+        extra={"experiment": ctx.config.name},
+    )
+
+
+def _run_ref_bundle(ctx: StageContext) -> None:
+    from scpdr.models import load_constant_base, read_bundle, write_bundle
+
+    main = ctx.dep("main") / "bundle"
+    manifest = read_bundle(main)
+    k = sum(1 for r in ctx.deps if re.fullmatch(r"c\d+", r))
+    write_bundle(
+        ctx.dir / "bundle",
+        base=manifest.resolve(main, manifest.base) if manifest.base else None,
+        constituents=[ctx.dep(f"c{i}") / "model" for i in range(k)],
+        constant_base=load_constant_base(main, manifest),
+        extra={"experiment": ctx.config.name, "reference_for": str(main)},
+    )
+
+
+# ----------------------------------------------------------------------------- scorers
+
+
+_MODEL_CACHE_SIZE = 6
+
+
+def _cached_model(ctx: StageContext, ref: str) -> Any:
+    """Load a model once per run (stages of one corpus share constituents); small LRU."""
+    from collections import OrderedDict
+
+    from scpdr.models import load_model
+
+    cache: OrderedDict[str, Any] = ctx.runner.cache.setdefault("models", OrderedDict())
+    if ref in cache:
+        cache.move_to_end(ref)
+        return cache[ref]
+    model = load_model(ref)
+    model.eval()
+    cache[ref] = model
+    while len(cache) > _MODEL_CACHE_SIZE:
+        cache.popitem(last=False)
+    return model
+
+
+def _cached_tokenizer(ctx: StageContext, ref: str) -> Any:
+    from scpdr.models import load_tokenizer
+
+    cache: dict[str, Any] = ctx.runner.cache.setdefault("tokenizers", {})
+    if ref not in cache:
+        cache[ref] = load_tokenizer(ref)
+    return cache[ref]
+
+
+def _scorer(
+    ctx: StageContext, method: str, bundle_dir: Path, *, m: int, single: Path | None = None
+) -> Any:
+    """The scorer of a result-row method over a bundle: a ``ProtectedLM``.
+
+    ``single``: a model dir evaluated alone (goldfish baseline; a reference p0 for "none").
+    """
+    from scpdr.models import load_constant_base, read_bundle
+    from scpdr.protected import ProtectedLM
+
+    manifest = read_bundle(bundle_dir)
+    tok = _cached_tokenizer(ctx, manifest.resolve(bundle_dir, manifest.tokenizer))
+    if single is not None:
+        return ProtectedLM.from_model(_cached_model(ctx, str(single)), tok)
+    refs = [manifest.resolve(bundle_dir, r) for r in manifest.constituents]
+    if method == "none":
+        return ProtectedLM.from_model(_cached_model(ctx, refs[0]), tok)
+    pm, variant = METHOD_SPECS[method]
+    constituents = [_cached_model(ctx, r) for r in refs]
+    base_model = base_vector = None
+    if pm in ("scp-delta-r", "scp-delta"):
+        if variant == "constant":
+            base_vector = load_constant_base(bundle_dir, manifest)
+        else:
+            if manifest.base is None:
+                raise ScpdrError(f"bundle {bundle_dir} has no base model for {method}")
+            base_model = _cached_model(ctx, manifest.resolve(bundle_dir, manifest.base))
+    return ProtectedLM(
+        constituents, tok, base_model=base_model, base_vector=base_vector, method=pm, m=m
+    )
+
+
+def _subset(items: Sequence[Any], n: int | None, *, seed: int, salt: str) -> list[Any]:
+    import random
+
+    items = list(items)
+    if n is None or n >= len(items):
+        return items
+    rng = random.Random(f"{salt}:{seed}")
+    idx = sorted(rng.sample(range(len(items)), n))
+    return [items[i] for i in idx]
+
+
+def _non_canary(pset: Any, part: int = 0) -> list[Any]:
+    canary_ids = {r.id for r in pset.canaries.records()} if pset.canaries is not None else set()
+    return [r for r in pset.parts[part] if r.id not in canary_ids]
+
+
+def _pii_records(records: Sequence[Any]) -> list[Any]:
+    from scpdr.attacks.pii import PIIRecord
+
+    out = []
+    for r in records:
+        match = re.fullmatch(r"Name: (.+), ID:", r.prompt or "")
+        if match and r.response:
+            out.append(PIIRecord(name=match.group(1), id=r.response.strip()))
+    return out
+
+
+# ----------------------------------------------------------------------------- attacks
+
+
+def _run_attack(ctx: StageContext) -> None:
+    import torch
+
+    inp = ctx.stage.inputs
+    method, attack, corpus = inp["method"], inp["attack"], inp["corpus"]
+    bundle_dir = ctx.dep("bundle") / "bundle"
+    pset = _load_pset(ctx.dep("partitions"))
+    m = int(inp.get("m", ctx.config.m))
+    single = ctx.dep("goldfish") / "model" if method == "goldfish" else None
+    scorer = _scorer(ctx, method, bundle_dir, m=m, single=single)
+    bs = int(inp["batch_size"])
+    seed = int(inp["seed"])
+    acfg = inp["config"]
+    rows: list[dict[str, Any]] = []
+
+    def add(result_rows: Iterable[Any], *, as_method: str = method) -> None:
+        for r in result_rows:
+            d = r.to_dict() if hasattr(r, "to_dict") else dict(r)
+            d["method"] = as_method
+            d["corpus"] = corpus
+            rows.append(d)
+
+    with torch.inference_mode():
+        if attack == "canary":
+            rows += _attack_canary(
+                scorer,
+                pset,
+                method=method,
+                corpus=corpus,
+                n_reference=acfg["n_reference"],
+                bs=bs,
+                seed=seed,
+            )
+        elif attack == "pii":
+            targets = _subset(_pii_records(_non_canary(pset)), acfg["n"], seed=seed, salt="pii")
+            if not targets:
+                raise ConfigError(f"corpora.{corpus}: no 'Name: …, ID:' records for the PII attack")
+            from scpdr.attacks.pii import pii_extraction
+
+            add(pii_extraction(scorer, targets, batch_size=bs).rows(method=method, corpus=corpus))
+            if method == "none":
+                val = _subset(
+                    _pii_records(pset.validation), acfg["n_val"], seed=seed, salt="pii-val"
+                )
+                if val:
+                    res = pii_extraction(scorer, val, batch_size=bs)
+                    add(res.rows(method="none-val", corpus=corpus), as_method="none-val")
+        elif attack == "tte":
+            from scpdr.attacks.tte import token_by_token_extraction
+
+            texts = [r.text for r in _subset(_non_canary(pset), acfg["n"], seed=seed, salt="tte")]
+            q = None
+            if acfg["q_fails_only"]:
+                q = _scorer(ctx, "none", bundle_dir, m=m, single=_constituent_dir(bundle_dir, 1))
+            add(
+                token_by_token_extraction(scorer, texts, q_scorer=q, batch_size=bs).rows(
+                    method=method, corpus=corpus
+                )
+            )
+            if method == "none":
+                val = [
+                    r.text for r in _subset(pset.validation, acfg["n"], seed=seed, salt="tte-val")
+                ]
+                res = token_by_token_extraction(scorer, val, q_scorer=q, batch_size=bs)
+                add(res.rows(method="none-val", corpus=corpus), as_method="none-val")
+        elif attack == "utility":
+            from scpdr.attacks.utility import utility
+
+            texts = [r.text for r in _subset(pset.validation, acfg["n"], seed=seed, salt="utility")]
+            add(utility(scorer, texts, batch_size=bs).rows(method=method, corpus=corpus))
+        elif attack == "lira":
+            _attack_lira(
+                ctx, scorer, pset, method=method, m=m, acfg=acfg, bs=bs, seed=seed, add=add
+            )
+        elif attack == "generations":
+            _attack_generations(ctx, scorer, pset, method=method, acfg=acfg, seed=seed)
+        else:  # pragma: no cover - the config validates attack names
+            raise ConfigError(f"unknown attack {attack!r}")
+    atomic_write_json(ctx.dir / ROWS_NAME, rows)
+
+
+def _constituent_dir(bundle_dir: Path, i: int) -> Path:
+    from scpdr.models import read_bundle
+
+    manifest = read_bundle(bundle_dir)
+    return Path(manifest.resolve(bundle_dir, manifest.constituents[i]))
+
+
+def _attack_canary(
+    scorer: Any, pset: Any, *, method: str, corpus: str, n_reference: int, bs: int, seed: int
+) -> list[dict[str, Any]]:
+    from scpdr.attacks.exposure import Canary, CanarySpace, canary_exposure
+    from scpdr.data import load_wordlist
+
+    registry = pset.canaries
+    if registry is None:
+        raise ConfigError(f"corpora.{corpus}: the canary attack needs `canaries:` in the corpus")
+    space = CanarySpace(words=tuple(load_wordlist()), n_words=registry.config.num_words)
+    canaries = [
+        Canary(prefix=c.prompt, secret=tuple(c.words), repetitions=c.repetitions)
+        for c in registry.canaries
+    ]
+    res = canary_exposure(
+        scorer, canaries, space, n_reference=n_reference, batch_size=bs, seed=seed
+    )
+    rows = []
+    for r in res.rows(method=method, corpus=corpus):
+        d = r.to_dict()
+        d["corpus"] = corpus
+        if d.get("repetitions") == 0:
+            # Never-inserted canaries: the random-canary baseline. Under No CP this is the
+            # paper's "No CP-val" canary value.
+            if method != "none":
+                continue
+            d["method"] = "none-val"
+        rows.append(d)
+    return rows
+
+
+def _attack_lira(
+    ctx: StageContext,
+    scorer: Any,
+    pset: Any,
+    *,
+    method: str,
+    m: int,
+    acfg: Mapping[str, Any],
+    bs: int,
+    seed: int,
+    add: Callable[..., None],
+) -> None:
+    from scpdr.attacks.lira import lira
+
+    ref_bundle = ctx.dep("ref_bundle") / "bundle"
+    if method in ("none", "goldfish"):
+        reference = _scorer(ctx, "none", ref_bundle, m=m, single=ctx.dep("reference") / "model")
+    else:
+        reference = _scorer(ctx, method, ref_bundle, m=m)
+    holdout = set(read_json(ctx.dep("partitions") / TARGETS_NAME)["holdout"])
+    members = [r.text for r in pset.parts[0] if r.id in holdout]
+    n = acfg["n"] or len(members)
+    members = _subset(members, n, seed=seed, salt="lira-members")
+    nonmembers = [
+        r.text for r in _subset(pset.validation, len(members), seed=seed, salt="lira-non")
+    ]
+    res = lira(scorer, reference, members, nonmembers, batch_size=bs)
+    add(res.rows(method=method, corpus=ctx.stage.inputs["corpus"]))
+    fpr, tpr = res.roc()
+    atomic_write_json(
+        ctx.dir / "roc.json",
+        {"fpr": [float(x) for x in fpr], "tpr": [float(x) for x in tpr], "auc": float(res.auc)},
+    )
+
+
+def _attack_generations(
+    ctx: StageContext, scorer: Any, pset: Any, *, method: str, acfg: Mapping[str, Any], seed: int
+) -> None:
+    records = [r for r in _non_canary(pset) if r.prompt]
+    if not records:  # text-only corpora: the first half of the text is the prompt
+        records = _non_canary(pset)
+    chosen = _subset(records, acfg["n"], seed=seed, salt="generations")
+    prompts, refs = [], []
+    for r in chosen:
+        if r.prompt:
+            prompts.append(r.prompt)
+            refs.append(r.response or "")
+        else:
+            cut = max(1, len(r.text) // 2)
+            prompts.append(r.text[:cut])
+            refs.append(r.text[cut:])
+    gens = scorer.generate(prompts, max_new_tokens=int(acfg["max_new_tokens"]), temperature=0.0)
+    atomic_write_json(
+        ctx.dir / "generations.json",
+        [
+            {"prompt": p, "reference": ref, "text": g.text, "method": method}
+            for p, ref, g in zip(prompts, refs, gens, strict=True)
+        ],
+    )
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+DISTRIBUTIONS_NAME = "distributions.npz"
+
+
+def _run_bounds(ctx: StageContext) -> None:
+    """Per-position k_x / t_x (typical tokens: partition-0 training text), v_x(y_s) (the held-out
+    targets of the reference p0) and all three on the canaries' secret tokens (rare tokens),
+    for every NAF method (``scpdr.attacks.bounds_analysis``)."""
+    import numpy as np
+    import torch
+
+    from scpdr.attacks.bounds_analysis import bound_distributions
+    from scpdr.attacks.scorer import encode
+    from scpdr.models import load_constant_base, read_bundle
+
+    inp = ctx.stage.inputs
+    bcfg = BoundsConfig.model_validate(inp["bounds"])
+    bundle_dir = ctx.dep("bundle") / "bundle"
+    pset = _load_pset(ctx.dep("partitions"))
+    corpus, seed, m = inp["corpus"], int(inp["seed"]), int(inp["m"])
+    methods = list(inp["methods"])
+    bs = max(1, min(int(inp["batch_size"]), 4))
+    scorer = _scorer(ctx, "scp-delta-r-b", bundle_dir, m=m)
+    base_vector = load_constant_base(bundle_dir, read_bundle(bundle_dir))
+    ref = None
+    if "ref_bundle" in ctx.deps:
+        ref = _scorer(ctx, "cp-delta", ctx.dep("ref_bundle") / "bundle", m=m)
+    tx = ["t_x"] if bcfg.t_x else []
+    common = {"methods": methods, "m": m, "base_vector": base_vector, "batch_size": bs}
+    rows: list[dict[str, Any]] = []
+    arrays: dict[str, np.ndarray] = {}
+
+    def keep(dist: Any, *, rare: bool) -> None:
+        rows.extend(r.to_dict() | {"corpus": corpus} for r in dist.rows(corpus=corpus, rare=rare))
+        for q, per in dist.as_report_distributions(rare=rare).items():
+            for method, vals in per.items():
+                key = f"{q}/{method}"
+                prev = arrays.get(key)
+                new = np.asarray(vals, dtype=np.float64)
+                arrays[key] = new if prev is None else np.concatenate([prev, new])
+
+    with torch.inference_mode():
+        texts = [
+            r.text for r in _subset(_non_canary(pset), bcfg.n_prompts, seed=seed, salt="bounds")
+        ]
+        keep(bound_distributions(scorer, texts, quantities=["k_x", *tx], **common), rare=False)
+        if bcfg.v_x and ref is not None:
+            holdout = set(read_json(ctx.dep("partitions") / TARGETS_NAME)["holdout"])
+            targets = [r.text for r in pset.parts[0] if r.id in holdout]
+            if targets:
+                dist = bound_distributions(
+                    scorer, targets, quantities=["v_x"], ref_scorer=ref, **common
+                )
+                keep(dist, rare=False)
+        if pset.canaries is not None and pset.canaries.inserted:
+            tok = scorer.tokenizer
+            canaries = list(pset.canaries.inserted)
+            starts = [len(encode(tok, c.prompt)) for c in canaries]
+            quantities = ["k_x", *tx, *(["v_x"] if bcfg.v_x and ref is not None else [])]
+            dist = bound_distributions(
+                scorer,
+                [c.text for c in canaries],
+                quantities=quantities,
+                ref_scorer=ref if "v_x" in quantities else None,
+                start=starts,
+                **common,
+            )
+            keep(dist, rare=True)
+    np.savez_compressed(ctx.dir / DISTRIBUTIONS_NAME, **arrays)
+    atomic_write_json(ctx.dir / ROWS_NAME, rows)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _run_report(ctx: StageContext) -> None:
+    import numpy as np
+
+    from scpdr.report import ReportInputs, render_report
+
+    inp = ctx.stage.inputs
+    tags: dict[str, dict[str, Any]] = inp["tags"]
+    rows: list[dict[str, Any]] = []
+    distributions: dict[str, dict[str, dict[str, Any]]] = {}
+    roc: dict[str, dict[str, dict[str, Any]]] = {}
+    generations: dict[tuple[str, str], dict[str, Any]] = {}
+    for role, path in ctx.deps.items():
+        tag = tags.get(role, {})
+        name = role.split(":", 1)[1] if tag else role
+        stage_rows = read_json(path / ROWS_NAME) if (path / ROWS_NAME).exists() else []
+        rows += [{**r, **tag} for r in stage_rows]
+        if tag:
+            continue  # figures and generations come from the main run
+        parts = name.split("/")
+        if parts[0] == "bounds" and (path / DISTRIBUTIONS_NAME).exists():
+            with np.load(path / DISTRIBUTIONS_NAME) as npz:
+                for key in npz.files:
+                    quantity, method = key.split("/", 1)
+                    distributions.setdefault(parts[1], {}).setdefault(quantity, {})[method] = npz[
+                        key
+                    ]
+        if parts[0] == "attack" and parts[3] == "lira" and (path / "roc.json").exists():
+            roc.setdefault(parts[1], {})[parts[2]] = read_json(path / "roc.json")
+        if parts[0] == "attack" and parts[3] == "generations":
+            for i, g in enumerate(read_json(path / "generations.json")):
+                entry = generations.setdefault(
+                    (parts[1], f"{i:04d}"),
+                    {
+                        "corpus": parts[1],
+                        "prompt": g["prompt"],
+                        "reference": g["reference"],
+                        "outputs": {},
+                    },
+                )
+                entry["outputs"][parts[2]] = g["text"]
+    atomic_write_json(ctx.dir / "results.json", rows)
+    render_report(
+        ReportInputs(
+            rows=rows,
+            title=inp["title"],
+            corpus_labels=inp["labels"],
+            methods=inp["methods"],
+            summary=inp["summary"],
+            distributions=distributions,
+            roc=roc,
+            generations=[generations[k] for k in sorted(generations)],
+            generation_methods=inp["generation_methods"],
+            config_text=inp.get("config_text"),
+        ),
+        ctx.dir,
+        draw=bool(inp["report"]["plots"]),
+    )

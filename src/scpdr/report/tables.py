@@ -258,6 +258,7 @@ def _pick(
         three = [r for r in cands if r.get("repetitions") == 3]
         if three:
             return three[0]
+        # The largest repetition count; the baseline (0) only when it is all there is.
         return max(cands, key=lambda r: r.get("repetitions") or 0)
     return None
 
@@ -515,16 +516,17 @@ def kx_table(
 def canary_table(
     rows: Iterable[Any], *, title: str = "Canary exposure by repetitions"
 ) -> Table | None:
-    """Exposure mean / 95% per repetition count (paper's canary table); None without such rows."""
+    """Exposure mean / 95% per repetition count (paper App. E canary table), with the
+    random-canary baseline (never-inserted canaries, ``repetitions == 0``) as a last row; None
+    without per-repetition rows."""
     rows = [
         r
         for r in _main_rows(rows)
         if r.get("attack") == "canary" and r.get("repetitions") is not None
     ]
-    if not rows:
+    reps = sorted({int(r["repetitions"]) for r in rows if int(r["repetitions"]) > 0})
+    if not reps:
         return None
-    reps = sorted({int(r["repetitions"]) for r in rows})
-    methods = [m for m in _ordered_methods(rows, None)]
     columns: list[Column] = []
     for rep in reps:
         for spec in COLUMN_SPECS[:2]:
@@ -532,37 +534,57 @@ def canary_table(
                 Column("Canary", f"REP={rep}", spec.label, "down", "canary", spec.metrics, None)
             )
 
-    def val(m: str, j: int) -> float | None:
-        rep = reps[j // 2]
-        cands = [
-            r
-            for r in rows
-            if r.get("method") == m
-            and int(r["repetitions"]) == rep
-            and r.get("metric") in columns[j].metrics
-        ]
-        return _value(cands[0]) if cands else None
+    def val(m: str, j: int, rep: int) -> float | None:
+        for metric in columns[j].metrics:
+            for r in rows:
+                if (
+                    r.get("method") == m
+                    and int(r["repetitions"]) == rep
+                    and r.get("metric") == metric
+                ):
+                    return _value(r)
+        return None
 
-    methods = [m for m in methods if any(val(m, j) is not None for j in range(len(columns)))]
-    vals = {m: [val(m, j) for j in range(len(columns))] for m in methods}
-    ranked = [m for m in methods if m not in _REFERENCE_ROWS]
+    methods = [m for m in _ordered_methods(rows, None)]
+    vals = {m: [val(m, j, reps[j // 2]) for j in range(len(columns))] for m in methods}
+    methods = [m for m in methods if any(v is not None for v in vals[m])]
     marks: dict[str, list[Mark]] = {m: [None] * len(columns) for m in methods}
     for j in range(len(columns)):
-        col_marks = rank_marks([vals[m][j] for m in ranked], "down")
-        for m, mk in zip(ranked, col_marks, strict=True):
+        col_marks = rank_marks([vals[m][j] for m in methods], "down")
+        for m, mk in zip(methods, col_marks, strict=True):
             marks[m][j] = mk
-    order = ranked + [m for m in methods if m in _REFERENCE_ROWS]
+    keys = list(methods)
+    labels = [METHOD_LABELS.get(m, m) for m in methods]
+    cells = [
+        [Cell(v, format_value(v), mk) for v, mk in zip(vals[m], marks[m], strict=True)]
+        for m in methods
+    ]
+    separator = None
+    source = next(
+        (
+            m
+            for m in ("none-val", "none")
+            if any(r.get("method") == m and int(r["repetitions"]) == 0 for r in rows)
+        ),
+        None,
+    )
+    if source is not None:
+        base = [val(source, j, 0) for j in range(len(columns))]
+        separator = len(keys)
+        keys.append("baseline")
+        labels.append("Random baseline")
+        cells.append([Cell(v, format_value(v)) for v in base])
     return Table(
         title=title,
         columns=columns,
-        row_labels=[METHOD_LABELS.get(m, m) for m in order],
-        row_keys=order,
-        cells=[
-            [Cell(v, format_value(v), mk) for v, mk in zip(vals[m], marks[m], strict=True)]
-            for m in order
+        row_labels=labels,
+        row_keys=keys,
+        cells=cells,
+        separator_before=separator,
+        notes=[
+            "Exposure in bits (Carlini et al. 2019). Random baseline: never-inserted canaries of "
+            "the same format under No CP (the same for every repetition count)."
         ],
-        separator_before=len(ranked) if len(order) > len(ranked) else None,
-        notes=["Exposure in bits (Carlini et al. 2019); No CP-val: never-inserted canaries."],
     )
 
 

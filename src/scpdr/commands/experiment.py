@@ -1,0 +1,79 @@
+"""``scpdr experiment CONFIG.yaml [--out DIR]``: dataset → partitions → constituents → bundles →
+attacks → bounds → report, each stage cached under a content hash (``scpdr.experiment``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def experiment(
+    config: Path = typer.Argument(..., help="Experiment config (YAML); see configs/demo.yaml."),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Output directory (default: runs/<config name>)."
+    ),
+    force: list[str] = typer.Option(
+        [],
+        "--force",
+        help="Re-run these stages even when cached: a stage name or glob, e.g. 'attack/*' or "
+        "'train'. Repeatable.",
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Validate the config and list the stages (cached or to run)."
+    ),
+    keep_stale: bool = typer.Option(
+        False, "--keep-stale", help="Keep cached stage dirs whose settings are outdated."
+    ),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Rich progress display."),
+) -> None:
+    """Run (or resume) an experiment and write results.json, report.md and report.html."""
+    from scpdr.experiment import load_config
+
+    cfg = load_config(config)
+    out_dir = out if out is not None else Path("runs") / config.stem
+    if dry_run:
+        _print_plan(cfg, out_dir)
+        return
+    run_and_print(config, out_dir, force=force, progress=progress, keep_stale=keep_stale)
+
+
+def run_and_print(
+    config: Path, out: Path, *, force: list[str], progress: bool, keep_stale: bool = False
+) -> None:
+    """Run ``config`` into ``out`` and print the main table (shared with ``scpdr demo``)."""
+    import time
+
+    from rich.console import Console
+
+    from scpdr.experiment import run_experiment
+    from scpdr.report import to_rich
+
+    t0 = time.perf_counter()
+    result = run_experiment(config, out, force=force, progress=progress, keep_stale=keep_stale)
+    seconds = time.perf_counter() - t0
+    console = Console()
+    console.print(to_rich(result.main_table))
+    for note in result.main_table.notes:
+        console.print(f"[dim]{note}[/dim]")
+    console.print(
+        f"{len(result.ran)} stage(s) ran, {len(result.cached)} cached, {seconds:.0f} s. "
+        f"Report: {result.report_md} and {result.report_html}; rows: {result.results_json}"
+    )
+
+
+def _print_plan(cfg, out: Path) -> None:  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    from scpdr.experiment import StageRunner, plan
+
+    stages, report = plan(cfg)
+    runner = StageRunner(out, cfg, progress=False)
+    console = Console()
+    seen = set()
+    for s in [*stages, report]:
+        if s.key in seen:
+            continue
+        seen.add(s.key)
+        status = "cached" if runner.is_done(s) else "to run"
+        console.print(f"{status:>7}  {s.name}  [dim]{s.hash[:16]}[/dim]")

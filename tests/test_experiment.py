@@ -1,0 +1,276 @@
+"""scpdr.experiment: config validation (one test per rule), the cached stage runner (resume,
+force, garbage collection, lock), and a tiny end-to-end experiment (every stage, every table
+column and figure; a second run is fully cached; a changed setting re-runs only its dependants).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from scpdr.errors import ConfigError, ScpdrError
+from scpdr.experiment import (
+    MARKER,
+    ExperimentConfig,
+    Stage,
+    StageRunner,
+    load_config,
+    plan,
+    validate_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def tiny_dict() -> dict[str, Any]:
+    return yaml.safe_load(TINY.read_text())
+
+
+def merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "demo.yaml", "paper.yaml"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(ROOT / "configs" / name)
+    assert isinstance(cfg, ExperimentConfig)
+    stages, report = plan(cfg)
+    assert report.deps and all(s.hash for s in stages)
+
+
+def test_ablation_configs_validate():
+    files = sorted((ROOT / "configs" / "ablations").glob("*.yaml"))
+    assert {f.stem for f in files} >= {"m", "epochs", "smoothing_raw", "k3", "lora", "goldfish"}
+    for f in files:
+        plan(load_config(f))
+
+
+def test_config_round_trips_through_yaml():
+    cfg = validate_config(tiny_dict())
+    again = validate_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
+    assert again == cfg
+
+
+CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"colour": "red"}, "colour: unknown key"),
+        ({"train": {"epoch": 3}}, "train.epoch: unknown key"),
+        ({"train": {"epochs": 0}}, "train.epochs: must be ≥ 1 (got 0)"),
+        ({"train": {"epochs": "many"}}, "train.epochs: must be an integer"),
+        ({"train": {"learning_rate": -1.0}}, "train.learning_rate: must be > 0"),
+        ({"partitions": {"k": 1}}, "partitions.k: must be ≥ 2 (got 1)"),
+        (
+            {"partitions": {"near_duplicate_threshold": 1.5}},
+            "partitions.near_duplicate_threshold: must be < 1",
+        ),
+        ({"m": 0}, "m: must be ≥ 1 (got 0)"),
+        ({"methods": ["none", "cp-magic"]}, "methods: unknown method(s) ['cp-magic']"),
+        ({"methods": ["scp-delta-r"]}, "name the SCP-Δr variant"),
+        ({"methods": ["none", "none"]}, "methods: methods repeated: ['none']"),
+        ({"corpora": []}, "corpora: must have at least 1 item"),
+        (
+            {"corpora": [{**CORPUS, "source": "/no/such/file.jsonl"}]},
+            "is neither a built-in corpus",
+        ),
+        (
+            {"corpora": [{**CORPUS, "name": "two words"}]},
+            "corpora.0.name: must be a plain identifier",
+        ),
+        ({"corpora": [CORPUS, CORPUS]}, "corpora: names must be unique, repeated: ['names2ids']"),
+        (
+            {"corpora": [{**CORPUS, "canaries": {"partition": 2}}]},
+            "corpora.0.canaries.partition: must be < partitions.k = 2",
+        ),
+        (
+            {"corpora": [{**CORPUS, "canaries": {"repetitions": [0, 3]}}]},
+            "every repetition count must be ≥ 1",
+        ),
+        ({"corpora": [{**CORPUS, "attacks": ["pii", "sql"]}]}, "unknown attack(s) ['sql']"),
+        ({"corpora": [{**CORPUS, "attacks": ["canary"]}]}, "attack 'canary' needs canaries"),
+        (
+            {"corpora": [{"name": "code", "source": "pycode", "attacks": ["pii"]}]},
+            "attack 'pii' needs the names2ids corpus",
+        ),
+        ({"partitions": {"k": 3}}, "cp-fuse fuses exactly 2 constituents"),
+        ({"bounds": {"methods": ["cp-delta", "nope"]}}, "bounds.methods"),
+        (
+            {
+                "attacks": {"generations": {"methods": ["cp-delta-r"]}},
+                "methods": ["none", "cp-delta"],
+            },
+            "attacks.generations.methods",
+        ),
+        (
+            {"sweeps": [{"key": "train.epochz", "values": [1]}]},
+            "sweeps.0.key: 'train.epochz' is not a config key",
+        ),
+        ({"sweeps": [{"key": "m", "values": []}]}, "sweeps.0.values: must have at least 1 item"),
+        ({"attacks": {"canary": {"n_reference": 10}}}, "attacks.canary.n_reference: must be ≥ 100"),
+        ({"references": {"holdout": 0}}, "references.holdout: must be ≥ 1"),
+    ],
+)
+def test_config_errors_name_the_key(patch, message):
+    data = merged(tiny_dict(), patch)
+    with pytest.raises(ConfigError) as err:
+        validate_config(data)
+    assert message in str(err.value)
+
+
+def test_missing_corpora_and_wrong_top_level():
+    with pytest.raises(ConfigError, match="corpora: is required"):
+        validate_config({"name": "x"})
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        validate_config(["a"])  # type: ignore[arg-type]
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ncorpora: [\n  - {name: a\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line \d+"):
+        load_config(bad)
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError, match="the config is empty"):
+        load_config(tmp_path / "empty.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_relative_data_paths_resolve_against_the_config(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.jsonl").write_text('{"text": "hello there"}\n' * 3)
+    cfg_path = tmp_path / "exp.yaml"
+    cfg_path.write_text(
+        yaml.safe_dump({"corpora": [{"name": "mine", "source": "data/mine.jsonl"}]})
+    )
+    cfg = load_config(cfg_path)
+    assert cfg.corpora[0].resolved_source == str((tmp_path / "data" / "mine.jsonl").resolve())
+    assert cfg.corpora[0].resolved_attacks == ["tte", "lira", "utility", "generations"]
+
+
+def test_invalid_sweep_value_is_reported_at_planning():
+    cfg = validate_config(merged(tiny_dict(), {"sweeps": [{"key": "m", "values": [10, 0]}]}))
+    with pytest.raises(ConfigError, match=r"sweeps\.0: value 0 for 'm' is invalid"):
+        plan(cfg)
+
+
+def test_plan_hashes_depend_only_on_relevant_settings():
+    base = validate_config(tiny_dict())
+    stages_a, _ = plan(base)
+    stages_b, _ = plan(base.with_value("m", 20))
+    a = {s.key for s in stages_a}
+    changed = {s.name for s in stages_b if s.key not in a}
+    # m changes the smoothed methods' attacks, the bounds and nothing upstream.
+    assert changed
+    assert all(n.startswith(("attack/names2ids/scp-delta-r", "bounds/")) for n in changed), changed
+    stages_c, _ = plan(base.with_value("train.learning_rate", 5e-3))
+    changed = {s.name.split("/")[0] for s in stages_c if s.key not in a}
+    assert "train" in changed and "data" not in changed and "partitions" not in changed
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def _stage(name: str, fn, deps=None, inputs=None) -> Stage:
+    return Stage(name=name, kind="report", inputs=inputs or {}, run=fn, deps=deps or {})
+
+
+def test_runner_caches_resumes_forces_and_collects_garbage(tmp_path):
+    cfg = validate_config(tiny_dict())
+    calls: list[str] = []
+
+    def first(ctx):
+        calls.append("first")
+        (ctx.dir / "x.txt").write_text("1")
+
+    def second(ctx):
+        calls.append("second")
+        # Resumable work: a file left by an interrupted attempt is still there.
+        part = ctx.dir / "half.txt"
+        if not part.exists():
+            part.write_text("started")
+            raise KeyboardInterrupt
+        (ctx.dir / "y.txt").write_text((ctx.dep("a") / "x.txt").read_text() + "+done")
+
+    a = _stage("a", first, inputs={"v": 1})
+    b = _stage("b/sub", second, deps={"a": a})
+    runner = StageRunner(tmp_path, cfg, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_all([b])
+    assert calls == ["first", "second"]
+    b_dir = runner.stage_dir(b)
+    assert not b_dir.exists() and b_dir.with_name(b_dir.name + ".partial").is_dir()
+    assert not runner.is_done(b) and runner.is_done(a)
+
+    runner = StageRunner(tmp_path, cfg, progress=False)
+    outcomes = runner.run_all([b])
+    assert [(o.name, o.status) for o in outcomes] == [("a", "cached"), ("b/sub", "ran")]
+    assert (b_dir / "y.txt").read_text() == "1+done" and (b_dir / MARKER).is_file()
+    assert json.loads((b_dir / MARKER).read_text())["hash"] == b.hash
+
+    runner = StageRunner(tmp_path, cfg, progress=False)
+    assert [o.status for o in runner.run_all([b])] == ["cached", "cached"]
+    runner = StageRunner(tmp_path, cfg, progress=False)
+    assert [o.status for o in runner.run_all([b], force=["a"])] == ["ran", "cached"]
+
+    # A changed input makes a new hash dir; garbage collection drops the old one.
+    a2 = _stage("a", first, inputs={"v": 2})
+    assert a2.hash != a.hash
+    runner = StageRunner(tmp_path, cfg, progress=False)
+    runner.run_all([a2])
+    removed = runner.collect_garbage([a2])
+    assert removed == [runner.stage_dir(a)]
+    assert runner.is_done(a2)
+
+
+def test_runner_refuses_a_second_concurrent_run(tmp_path):
+    from scpdr.experiment import _run_lock
+
+    with _run_lock(tmp_path), pytest.raises(ScpdrError, match="another `scpdr experiment`"):
+        with _run_lock(tmp_path):
+            pass
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_help():
+    from scpdr.cli import main
+
+    assert main(["experiment", "--help"]) == 0
+    assert main(["demo", "--help"]) == 0
+
+
+def test_cli_config_error_exit_code(tmp_path, capsys):
+    from scpdr.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(merged(tiny_dict(), {"train": {"epochs": 0}})))
+    assert main(["experiment", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "train.epochs: must be ≥ 1 (got 0)" in capsys.readouterr().err
+
+
+def test_cli_dry_run_lists_stages(tmp_path, capsys):
+    from scpdr.cli import main
+
+    assert main(["experiment", str(TINY), "--out", str(tmp_path / "o"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "to run  data/names2ids" in out and "report" in out
