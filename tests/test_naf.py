@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -422,6 +423,56 @@ def test_inputs_are_never_modified_and_outputs_never_alias_them():
     assert torch.equal(x, x_ref) and torch.equal(base, base_ref) and torch.equal(path, path_ref)
     ptrs = {x.data_ptr(), base.data_ptr(), path.data_ptr()}
     assert not any(o.data_ptr() in ptrs for o in outs)
+
+
+def test_outputs_survive_later_calls_that_reuse_the_scratch_buffer():
+    """Intermediates live in a cached per-thread buffer; outputs must never be views of it."""
+    x1, b1 = make_logits(21, 2, (3,), 4096, 3.0, spikes=2)
+    x2, b2 = make_logits(22, 2, (3,), 4096, 3.0, spikes=2)
+    firsts = {m: naf.aggregate(m, x1, base=b1, m=10) for m in ALL_METHODS}
+    kept = {m: t.clone() for m, t in firsts.items()}
+    extra = naf.aggregate_with_components("scp-delta-r", x1, base=b1, m=10)
+    extra_kept = [t.clone() for t in extra]
+    for method in ALL_METHODS:  # overwrite the scratch buffer
+        naf.aggregate(method, x2, base=b2, m=10)
+    naf.cp_fuse_step(x2, 0.0)
+    for method in ALL_METHODS:
+        assert torch.equal(firsts[method], kept[method]), method
+    assert all(torch.equal(a, b) for a, b in zip(extra, extra_kept, strict=True))
+    scratch = naf._SCRATCH.buf
+    assert scratch is not None
+    lo, hi = scratch.data_ptr(), scratch.data_ptr() + scratch.numel() * 4
+    for t in [*firsts.values(), *extra]:
+        assert not lo <= t.data_ptr() < hi
+
+
+def test_inference_mode_grad_mode_and_threads():
+    x, base = make_logits(23, 2, (2,), 2048, 3.0, spikes=1)
+    want = {m: naf.aggregate(m, x, base=base, m=10) for m in ALL_METHODS}
+    with torch.inference_mode():
+        for m in ALL_METHODS:  # scratch buffer used inside inference mode ...
+            torch.testing.assert_close(naf.aggregate(m, x, base=base, m=10), want[m])
+    for m in ALL_METHODS:  # ... and outside it again
+        torch.testing.assert_close(naf.aggregate(m, x, base=base, m=10), want[m])
+    xg = x.clone().requires_grad_(True)
+    for m in ("cp-delta", "cp-kl", "cp-delta-r", "scp-delta-r", "scp-delta"):
+        # inputs that require grad work (the rules are inference-only: no backward)
+        torch.testing.assert_close(naf.aggregate(m, xg, base=base, m=10).detach(), want[m])
+    results: dict[int, torch.Tensor] = {}
+
+    def work(i: int) -> None:
+        xi, bi = make_logits(30 + i, 2, (2,), 2048, 3.0)
+        for _ in range(20):
+            results[i] = naf.aggregate("scp-delta-r", xi, base=bi, m=10)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(3):
+        xi, bi = make_logits(30 + i, 2, (2,), 2048, 3.0)
+        torch.testing.assert_close(results[i], naf.aggregate("scp-delta-r", xi, base=bi, m=10))
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,11 +22,14 @@ Conventions (STYLE.md 1-5, after PEFT ``utils/merge_utils.py``):
   bfloat16 and float16 inputs alike, and never modifies its inputs.
 - A row whose entries are all ``-inf`` has no distribution; its output is NaN. Partially masked
   rows (some ``-inf`` entries) are fine: masked tokens get the floor probability.
+- The rules are for inference: they work in place on their own intermediates, so they are not
+  differentiable (run them under ``torch.inference_mode()``, as the runtime does).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -43,6 +46,7 @@ __all__ = [
     "LOG_FLOOR",
     "METHODS",
     "SCP_METHODS",
+    "SCRATCH_MAX_BYTES",
     "aggregate",
     "aggregate_with_components",
     "cp_delta",
@@ -71,11 +75,14 @@ CP_FUSE_GRID: tuple[tuple[float, float], ...] = tuple(
     (a, b) for a in CP_FUSE_WEIGHTS for b in CP_FUSE_WEIGHTS if (a, b) != (0.0, 0.0)
 )
 #: CP-Fuse evaluates the grid in chunks of at most this many (grid point x batch x vocab)
-#: elements, so (batch, G, V) is never materialized at once (64 MiB of float32).
-CP_FUSE_CHUNK_ELEMENTS = 1 << 24
+#: elements, so (batch, G, V) is never materialized at once (8 MiB of float32).
+CP_FUSE_CHUNK_ELEMENTS = 1 << 21
 #: Block length used to find the top-m smoothing scores (see ``_top_m_indices``).
 _TOPK_BLOCK = 64
 _PROB_FLOOR = math.exp(LOG_FLOOR)
+#: On CPU, the rules' large intermediates (never their outputs) live in one cached per-thread
+#: buffer of at most this many bytes; see ``_scratch``.
+SCRATCH_MAX_BYTES = 64 << 20
 #: Methods that smooth against a base model and therefore need ``base`` and ``m``.
 SCP_METHODS = frozenset({"scp-delta-r", "scp-delta"})
 
@@ -180,25 +187,66 @@ def _check_m(m: int, vocab: int, method: str) -> int:
 # on tensors it created, and never concatenates.
 
 
-def _floored(x: Tensor) -> Tensor:
+class _ScratchCache(threading.local):
+    buf: Tensor | None = None
+
+
+_SCRATCH = _ScratchCache()
+
+
+def _scratch(shapes: Sequence[Sequence[int]], *like: Tensor) -> list[Tensor | None]:
+    """``out=`` tensors of ``shapes`` (float32) for intermediates that never leave this module.
+
+    On CPU without autograd they are views of one cached per-thread buffer (at most
+    :data:`SCRATCH_MAX_BYTES`): a fresh CPU tensor of a few MiB costs page faults on every call,
+    which took longer than the arithmetic of SCP-Δr at batch 8. Otherwise they are None (the
+    op allocates; ``out=`` variants have no autograd). The contents are garbage, and the next
+    call of any rule overwrites them.
+    """
+    sizes = [math.prod(shape) for shape in shapes]
+    total = sum(sizes)
+    device = like[0].device
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in like)
+    if device.type != "cpu" or grad or total * 4 > SCRATCH_MAX_BYTES:
+        return [None] * len(shapes)
+    buf = _SCRATCH.buf
+    if buf is None or buf.numel() < total:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference
+            buf = torch.empty(total)
+        _SCRATCH.buf = buf
+    views: list[Tensor | None] = []
+    offset = 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        views.append(buf[offset : offset + size].view(tuple(shape)))
+        offset += size
+    return views
+
+
+def _floored(x: Tensor, *, out: Tensor | None = None) -> Tensor:
     """``clamp_min(log_softmax(x), LOG_FLOOR)`` in float32, *not* renormalized: ``(..., V)``.
 
     It differs from :func:`normalize` by a constant per row, which every rule that is invariant
     to a per-row shift (RPDs, CP-Δr, CP-ΔKL, a final ``log_softmax``) uses to skip the
-    renormalization. ``x`` must be float32; the result is a new tensor.
+    renormalization. ``x`` must be float32; the result is a new tensor, or ``out``.
     """
-    return torch.log_softmax(x, dim=-1).clamp_min_(LOG_FLOOR)
+    if out is None:
+        return torch.log_softmax(x, dim=-1).clamp_min_(LOG_FLOOR)
+    return torch.log_softmax(x, dim=-1, out=out).clamp_min_(LOG_FLOOR)
 
 
-def _floored_probs(x: Tensor) -> Tensor:
-    """``exp(_floored(x)) = max(softmax(x), e^LOG_FLOOR)``, a new float32 tensor ``(..., V)``."""
-    return torch.softmax(x, dim=-1).clamp_min_(_PROB_FLOOR)
+def _floored_probs(x: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """``exp(_floored(x)) = max(softmax(x), e^LOG_FLOOR)`` in float32: ``(..., V)``."""
+    if out is None:
+        return torch.softmax(x, dim=-1).clamp_min_(_PROB_FLOOR)
+    return torch.softmax(x, dim=-1, out=out).clamp_min_(_PROB_FLOOR)
 
 
-def _normalized(x: Tensor) -> Tensor:
-    """:func:`normalize` without validation (``x`` float32)."""
-    log_z = _floored_probs(x).sum(dim=-1, keepdim=True).log_()  # (..., 1), >= 0
-    return _floored(x).sub_(log_z)
+def _normalized(x: Tensor, *, scratch: bool = False) -> Tensor:
+    """:func:`normalize` without validation (``x`` float32); ``scratch``: the result is a scratch
+    view (only for callers that reduce it to a new tensor before returning)."""
+    (probs, *y) = _scratch([x.shape, x.shape] if scratch else [x.shape], x)
+    log_z = _floored_probs(x, out=probs).sum(dim=-1, keepdim=True).log_()  # (..., 1), >= 0
+    return _floored(x, out=y[0] if scratch else None).sub_(log_z)
 
 
 def normalize(x: Tensor) -> Tensor:
@@ -270,12 +318,13 @@ def _smoothing(x: Tensor, base: Tensor, m: int) -> _Smoothing:
     ``exp(_floored(x)) * d`` ranks the tokens.
     """
     vocab = x.shape[-1]
-    y = _floored(x)  # (K, *batch, V)
-    y_base = _floored(base)  # base's own shape
+    buf_y, buf_p, buf_b = _scratch([x.shape, x.shape, base.shape], x, base)
+    y = _floored(x, out=buf_y)  # (K, *batch, V)
+    y_base = _floored(base, out=buf_b)  # base's own shape
     mu_base = y_base.mean(dim=-1, keepdim=True)
-    d = torch.sub(y, y_base)  # (K, *batch, V)
-    d.sub_(y.mean(dim=-1, keepdim=True) - mu_base)  # log rp - log rb
-    score = _floored_probs(x).mul_(d)  # (K, *batch, V)
+    shift = y.mean(dim=-1, keepdim=True).sub_(mu_base)  # (K, *batch, 1): log tp - log tb
+    d = y.sub_(y_base).sub_(shift)  # (K, *batch, V), in place: log rp - log rb
+    score = _floored_probs(x, out=buf_p).mul_(d)  # (K, *batch, V)
     idx = _top_m_indices(score, m)  # (K, *batch, m)
     d_top = d.gather(-1, idx)  # (K, *batch, m)
     c = d_top.sum(dim=-1, keepdim=True).div_(vocab)  # (K, *batch, 1)
@@ -370,7 +419,7 @@ def cp_delta(
     ``base`` and ``m`` are ignored. Returns ``log r``: ``Tensor[*batch, V]``.
     """
     x = _check_logps(logps, "cp-delta", min_k=2)
-    return torch.log_softmax(_normalized(x).amin(dim=0), dim=-1)
+    return torch.log_softmax(_normalized(x, scratch=True).amin(dim=0), dim=-1)
 
 
 def cp_kl(
@@ -382,7 +431,8 @@ def cp_kl(
     ``log r``: ``Tensor[*batch, V]``. ``base`` and ``m`` are ignored.
     """
     x = _check_logps(logps, "cp-kl", min_k=2)
-    return torch.log_softmax(_floored(x).mean(dim=0), dim=-1)
+    y = _floored(x, out=_scratch([x.shape], x)[0])  # (K, *batch, V)
+    return torch.log_softmax(y.mean(dim=0), dim=-1)
 
 
 def cp_delta_r(
@@ -394,7 +444,7 @@ def cp_delta_r(
     ``thm:cp_dr``). Returns ``log r``: ``Tensor[*batch, V]``. ``base`` and ``m`` are ignored.
     """
     x = _check_logps(logps, "cp-delta-r", min_k=2)
-    y = _floored(x)  # (K, *batch, V)
+    y = _floored(x, out=_scratch([x.shape], x)[0])  # (K, *batch, V)
     lr = y.sub_(y.mean(dim=-1, keepdim=True))  # (K, *batch, V) log RPDs
     return torch.log_softmax(lr.amin(dim=0), dim=-1)
 
@@ -586,22 +636,29 @@ def cp_fuse_step(
             f"(2, *batch) = {(2, *batch)}"
         ) from None
     g = _as_grid(grid).to(x.device)  # (G, 2)
-    lp = normalize(x).reshape(2, -1, vocab)  # (2, B, V)
-    path = path.reshape(2, -1)  # (2, B)
+    lp = _normalized(x).reshape(2, -1, vocab)  # (2, B, V)
+    path_b = path.reshape(2, -1).t().unsqueeze(1)  # (B, 1, 2)
     nb = lp.shape[1]
-    chunk = max(1, CP_FUSE_CHUNK_ELEMENTS // max(1, nb * vocab))
+    lpb = lp.transpose(0, 1).contiguous()  # (B, 2, V)
+    lpt = lpb.transpose(1, 2)  # (B, V, 2)
+    chunk = min(g.shape[0], max(1, CP_FUSE_CHUNK_ELEMENTS // max(1, nb * vocab)))
+    (buf,) = _scratch([(nb * chunk * vocab,)], x)
+    if buf is None:
+        buf = torch.empty(nb * chunk * vocab, device=x.device)
     best_obj = torch.full((nb,), math.inf, device=x.device)
     best_idx = torch.zeros((nb,), dtype=torch.long, device=x.device)
-    flat = lp.reshape(2, nb * vocab)  # (2, B*V)
     for start in range(0, g.shape[0], chunk):
-        w = g[start : start + chunk]  # (g, 2)
-        z = (w @ flat).view(-1, nb, vocab)  # (g, B, V)
-        a = torch.logsumexp(z, dim=-1)  # (g, B)
-        r = torch.exp(z.sub_(a.unsqueeze(-1)))  # (g, B, V)
-        e = torch.einsum("gbv,kbv->gbk", r, lp)  # (g, B, 2): E_r[log p_k]
-        cross = (e * w.unsqueeze(1)).sum(-1) - a  # (g, B): sum_y r log r
-        obj = (cross.unsqueeze(-1) - e - path.t().unsqueeze(0)).amax(dim=-1)  # (g, B)
-        val, arg = obj.min(dim=0)  # (B,)
+        w = g[start : start + chunk]  # (n, 2)
+        z = buf[: nb * w.shape[0] * vocab].view(nb, w.shape[0], vocab)  # (B, n, V)
+        torch.matmul(w, lpb, out=z)  # b1 log p1 + b2 log p2
+        z_max = z.amax(dim=-1, keepdim=True)  # (B, n, 1)
+        r = z.sub_(z_max).exp_()  # (B, n, V): r times its normalizer, in place
+        total = r.sum(dim=-1)  # (B, n)
+        a = total.log() + z_max.squeeze(-1)  # (B, n): log normalizer A(b)
+        e = torch.bmm(r, lpt).div_(total.unsqueeze(-1))  # (B, n, 2): E_r[log p_k]
+        cross = (e * w).sum(dim=-1) - a  # (B, n): sum_y r log r
+        obj = (cross.unsqueeze(-1) - e - path_b).amax(dim=-1)  # (B, n)
+        val, arg = obj.min(dim=1)  # (B,)
         better = val < best_obj
         best_obj = torch.where(better, val, best_obj)
         best_idx = torch.where(better, arg + start, best_idx)
