@@ -492,7 +492,7 @@ def _scp_delta_r_sparse(sm: _Smoothing, shape: tuple[int, ...]) -> Tensor:
 def scp_delta(
     logps: Tensor | Sequence[Tensor], *, base: Tensor | None = None, m: int = DEFAULT_M
 ) -> Tensor:
-    """SCP-Δ, the paper's ablation (§5.3, "Combining smoothing with raw probabilities").
+    """SCP-Δ, the paper's ablation (§5.4, "Combining smoothing with raw probabilities").
 
     Smooth each constituent's RPD with S_m (§4.1), normalize each into a distribution ``p~_i``
     (:func:`smoothed_logps`), then CP-Δ (Def. 2.2) on those raw probabilities. K >= 2.
