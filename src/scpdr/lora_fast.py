@@ -429,6 +429,42 @@ class StackedLoRA:
         finally:
             self._mode.stacked, self._mode.single = old
 
+    def protected(
+        self,
+        tokenizer: Any,
+        *,
+        method: str = "scp-delta-r",
+        m: int = 10,
+        base_vector: Tensor | None = None,
+    ) -> Any:
+        """A :class:`scpdr.protected.ProtectedLM` over these groups with the fast path on.
+
+        For an SCP method without ``base_vector`` (variant 'b') the last group is the base and
+        the others the constituents; otherwise every group is a constituent. Raises ValueError
+        when the groups do not match what the method runs ("none" runs one model: use
+        ``ProtectedLM.from_model(view, tokenizer)`` instead).
+        """
+        from scpdr import naf
+        from scpdr.protected import ProtectedLM
+
+        if method == "none":
+            raise ValueError("method 'none' runs one model; use ProtectedLM.from_model(view, tok)")
+        scp_b = method in naf.SCP_METHODS and base_vector is None
+        if scp_b and self.num_groups < 3:
+            raise ValueError(f"{method}-b needs >= 2 constituents plus the base group")
+        cons = self.views[:-1] if scp_b else self.views
+        lm = ProtectedLM(
+            cons,
+            tokenizer,
+            base_model=self.views[-1] if scp_b else None,
+            base_vector=base_vector,
+            method=method,
+            m=m,
+            names=[v.name for v in cons],
+        )
+        lm._stacked = self
+        return lm
+
     def new_caches(self) -> list[Any]:
         """One KV cache for the stacked batch (a list, as ProtectedLM's decoder holds them)."""
         return [new_stacked_cache(self.num_groups)]

@@ -1,0 +1,402 @@
+"""The shared-base LoRA fast path (scpdr.lora_fast) against the general path on tiny real models.
+
+The general path loads every adapter merged into its own copy of the base (scpdr.models), one
+forward per model; the fast path runs base + K adapters as one stacked batch. Every method must
+give the same log-probs (1e-4), certificates and greedy tokens, batched with padding; anything
+the fast path does not support must fall back with a logged reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scpdr import lora_fast, models, testing
+from scpdr.lora_fast import (
+    LoraAdapter,
+    StackedLoRA,
+    UnsupportedAdapterError,
+    read_lora_adapter,
+    save_random_lora,
+    stacked_from_bundle,
+)
+from scpdr.protected import ProtectedLM
+
+PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (r, alpha, targets, rslora) of the three adapters: different ranks, different target sets,
+# lm_head on a tied-embedding model, rsLoRA scaling.
+ADAPTERS = [
+    (8, 16, [*PROJ, "lm_head"], False),
+    (4, 8, ["q_proj", "v_proj", "lm_head"], False),
+    (6, 12, PROJ, True),
+]
+PROMPTS = ["My secret code is", "Hello there, how are you doing today", "x"]
+MAX_NEW = [4, 7, 5]  # rows finish at different steps: the stacked cache drops rows mid-decode
+ATOL = 1e-4
+CONFIGS = [  # (method, variant)
+    ("cp-delta", None),
+    ("cp-kl", None),
+    ("cp-delta-r", None),
+    ("scp-delta-r", "b"),
+    ("scp-delta-r", "c"),
+    ("scp-delta", "b"),
+    ("scp-delta", "c"),
+    ("cp-fuse", None),
+]
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    """A tiny base, three random LoRA adapters over it, a bundle of all three (with a constant
+    base vector), and the general path's models (each adapter merged into its own base copy)."""
+    root = tmp_path_factory.mktemp("lora")
+    tok = testing.tiny_tokenizer()
+    base = testing.tiny_model(0)
+    base.save_pretrained(str(root / "base"))
+    tok.save_pretrained(str(root / "base"))
+    refs = []
+    for i, (r, alpha, targets, rs) in enumerate(ADAPTERS):
+        refs.append(
+            save_random_lora(
+                base,
+                root / f"adapter-{i}",
+                base_ref="../base",
+                r=r,
+                alpha=alpha,
+                target_modules=targets,
+                seed=i,
+                std=0.3,
+                use_rslora=rs,
+            )
+        )
+    vec = models.constant_base_vector(base, tok, testing.HELD_OUT_PROMPTS)
+    bundle = models.write_bundle(
+        root / "bundle", base=root / "base", constituents=refs, constant_base=vec
+    )
+    merged = [models.load_model(r) for r in refs]
+    return {
+        "root": root,
+        "tok": tok,
+        "base": base,
+        "refs": refs,
+        "vec": vec,
+        "bundle": bundle,
+        "merged": merged,
+    }
+
+
+@pytest.fixture(scope="module")
+def stacks(lora):
+    """Fast-path stacks per K: with the base group last ('b') and without it (methods without
+    a base, and 'c'). (ProtectedLM.from_bundle builds the same: see the from_bundle tests.)"""
+    out = {}
+    for k in (2, 3):
+        adapters = [read_lora_adapter(r) for r in lora["refs"][:k]]
+        names = [f"adapter-{i}" for i in range(k)]
+        base = lora["root"] / "base"
+        out[k, "b"] = StackedLoRA(models.load_model(base), [*adapters, None], [*names, "base"])
+        out[k, None] = StackedLoRA(models.load_model(base), adapters, names)
+    return out
+
+
+def _manifest(base, constituents):
+    """An in-memory bundle manifest (stacked_from_bundle only reads its refs)."""
+    return models.BundleManifest(
+        base=str(base),
+        constituents=[str(c) for c in constituents],
+        tokenizer=str(base),
+        vocab_hash="-",
+        vocab_size=49152,
+    )
+
+
+def _general(lora, k, method, variant):
+    base = {"b": {"base_model": lora["base"]}, "c": {"base_vector": lora["vec"]}}.get(variant, {})
+    return ProtectedLM(lora["merged"][:k], lora["tok"], method=method, **base)
+
+
+def _fast(lora, stacks, k, method, variant):
+    stack = stacks[k, "b" if variant == "b" else None]
+    vec = lora["vec"] if variant == "c" else None
+    return stack.protected(lora["tok"], method=method, base_vector=vec)
+
+
+def _encode(tok, side):
+    return tok(PROMPTS, return_tensors="pt", padding=True, padding_side=side)
+
+
+def _assert_same(fast, general, tok):
+    assert fast._stacked is not None and general._stacked is None
+    enc = _encode(tok, "right")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    ids0, mask0 = ids.clone(), mask.clone()
+    a = fast.score(ids, mask, full=True, greedy=True, k_x=True, t_x=True)
+    b = general.score(ids, mask, full=True, greedy=True, k_x=True, t_x=True)
+    assert torch.equal(ids, ids0) and torch.equal(mask, mask0)  # inputs untouched
+    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
+    torch.testing.assert_close(a.token_logprobs, b.token_logprobs, atol=ATOL, rtol=0)
+    torch.testing.assert_close(a.logprobs[valid], b.logprobs[valid], atol=ATOL, rtol=0)
+    torch.testing.assert_close(a.k_x, b.k_x, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(a.t_x, b.t_x, atol=ATOL, rtol=1e-4)
+    assert torch.equal(a.greedy, b.greedy)
+    for side in ("left", "right"):
+        enc = _encode(tok, side)
+        torch.testing.assert_close(
+            fast.next_token_logprobs(enc["input_ids"], enc["attention_mask"]),
+            general.next_token_logprobs(enc["input_ids"], enc["attention_mask"]),
+            atol=ATOL,
+            rtol=0,
+        )
+    ga = fast.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_at_eos=False)
+    gb = general.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_at_eos=False)
+    assert [g.token_ids for g in ga] == [g.token_ids for g in gb]
+    assert [len(g.token_ids) for g in ga] == MAX_NEW
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=ATOL, rtol=0
+        )
+        torch.testing.assert_close(torch.tensor(x.k_x), torch.tensor(y.k_x), atol=ATOL, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------ equality
+
+
+@pytest.mark.parametrize(
+    ("k", "method", "variant"),
+    [(2, method, variant) for method, variant in CONFIGS]
+    + [(3, "cp-delta-r", None), (3, "scp-delta-r", "b"), (3, "scp-delta", "c")],
+)
+def test_fast_path_matches_general_path(lora, stacks, k, method, variant):
+    fast = _fast(lora, stacks, k, method, variant)
+    general = _general(lora, k, method, variant)
+    assert fast.name == general.name and fast.num_constituents == k
+    _assert_same(fast, general, lora["tok"])
+
+
+def test_from_bundle_detects_lora_constituents(lora, caplog):
+    with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
+        lm = ProtectedLM.from_bundle(lora["bundle"], method="scp-delta-r")
+    assert "LoRA fast path on" in caplog.text
+    assert lm._stacked.num_groups == 4 and lm._stacked.num_lora == 3  # base group: no delta
+    assert lm.name == "scp-delta-r-b" and lm.num_constituents == 3
+    _assert_same(lm, _general(lora, 3, "scp-delta-r", "b"), lora["tok"])
+    c = ProtectedLM.from_bundle(lora["bundle"], method="cp-delta-r")
+    assert c._stacked.num_groups == 3 and c.name == "cp-delta-r"
+    _assert_same(c, _general(lora, 3, "cp-delta-r", None), lora["tok"])
+
+
+def test_adapters_differ_and_views_equal_merged_models(lora, stacks):
+    """Each group is its merged model (so the deltas are real and the groups distinct)."""
+    stack = stacks[3, "b"]
+    enc = _encode(lora["tok"], "right")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    refs = [*lora["merged"], lora["base"]]
+    with torch.inference_mode():
+        out = stack(ids, mask, pos)  # (G, B, T, V)
+        for g, model in enumerate(refs):
+            want = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, -1)
+            got = torch.log_softmax(out[g], -1)
+            view = torch.log_softmax(stack.views[g](input_ids=ids, attention_mask=mask).logits, -1)
+            m = mask.bool()
+            torch.testing.assert_close(got[m], want[m], atol=ATOL, rtol=0)
+            torch.testing.assert_close(view[m], want[m], atol=ATOL, rtol=0)
+        lp = torch.log_softmax(out, -1)[:, mask.bool()]
+        for g in range(3):  # every adapter moves its model away from the base and the others
+            for h in range(g + 1, 4):
+                assert (lp[g] - lp[h]).abs().max() > 0.5
+
+
+def test_tied_lm_head_adapter_merges_like_peft_forward(lora):
+    """The general path (merged adapter) equals PEFT's unmerged forward, where an lm_head LoRA
+    on tied embeddings changes the output projection only."""
+    from peft import PeftModel
+
+    base = models.load_model(lora["root"] / "base")
+    peft_model = PeftModel.from_pretrained(base, str(lora["refs"][0])).eval()
+    ids = _encode(lora["tok"], "right")["input_ids"][:1]
+    with torch.inference_mode():
+        want = peft_model(input_ids=ids).logits
+        got = lora["merged"][0](input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+def test_sampling_matches_general_path(lora, stacks):
+    fast = _fast(lora, stacks, 2, "scp-delta-r", "b")
+    general = _general(lora, 2, "scp-delta-r", "b")
+    kw = {"max_new_tokens": 6, "temperature": 0.9, "top_p": 0.95, "seed": [1, 2, 3]}
+    a = fast.generate(PROMPTS, stop_at_eos=False, **kw)
+    b = general.generate(PROMPTS, stop_at_eos=False, **kw)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+
+
+# ------------------------------------------------------------------------------ the layer
+
+
+def _tiny_llama(seed):
+    return testing.tiny_model(
+        seed, hidden_size=16, intermediate_size=24, num_layers=1, vocab_size=97
+    )
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    plan=st.lists(
+        st.one_of(
+            st.none(), st.tuples(st.integers(1, 5), st.sets(st.sampled_from(PROJ), min_size=1))
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    batch=st.integers(1, 3),
+)
+def test_stacked_forward_equals_merged_weights(seed, plan, batch):
+    """Property: for any groups (None = the plain base; else rank and targets), the stacked
+    forward equals, per group, the base with W + s·B·A merged into its weights (zero-padding of
+    smaller ranks and missing targets is exact)."""
+    import copy
+
+    if all(p is None for p in plan):
+        plan = [*plan, (2, {"q_proj"})]
+    model = _tiny_llama(seed % 7)
+    gen = torch.Generator().manual_seed(seed)
+    named = dict(model.named_modules())
+    groups, merged = [], []
+    for i, p in enumerate(plan):
+        ref = copy.deepcopy(model)
+        if p is None:
+            groups.append(None)
+            merged.append(ref)
+            continue
+        r, targets = p
+        mods = {}
+        for name, layer in named.items():
+            if name.rsplit(".", 1)[-1] in targets:
+                a = torch.randn(r, layer.in_features, generator=gen) * 0.3
+                b = torch.randn(layer.out_features, r, generator=gen) * 0.3
+                s = 1.5 / r
+                mods[name] = (a, b, s)
+                with torch.no_grad():
+                    ref.get_submodule(name).weight += s * b @ a
+        groups.append(LoraAdapter(lora_fast.Path(f"g{i}"), "base", mods, {}))
+        merged.append(ref)
+    stack = StackedLoRA(model, groups, [f"g{i}" for i in range(len(groups))])
+    ids = torch.randint(3, 97, (batch, 5), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding in row 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.inference_mode():
+        out = stack(ids, mask, pos)  # (G, B, T, V)
+        for g, ref in enumerate(merged):
+            want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            torch.testing.assert_close(out[g][mask.bool()], want[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_read_lora_adapter_scaling_and_extras(lora):
+    a0 = read_lora_adapter(lora["refs"][0])
+    a2 = read_lora_adapter(lora["refs"][2])
+    assert a0.base_ref == str((lora["root"] / "base").resolve())
+    name = "model.layers.0.self_attn.q_proj"
+    a, b, s = a0.modules[name]
+    assert a.shape == (8, 32) and b.shape == (32, 8) and s == pytest.approx(16 / 8)
+    assert a2.modules[name][2] == pytest.approx(12 / 6**0.5)  # rsLoRA: alpha / sqrt(r)
+    assert "lm_head" in a0.modules and set(a0.extra) == {"lm_head"}  # PEFT saves the head too
+    assert len(a0.modules) == 2 * 7 + 1 and "lm_head" not in a2.modules
+
+
+# ------------------------------------------------------------------------------ fallback
+
+
+def test_full_model_constituent_falls_back_with_reason(lora, caplog):
+    root = lora["root"]
+    full = testing.perturbed_copy(lora["base"], seed=5)
+    full.save_pretrained(str(root / "full"))
+    lora["tok"].save_pretrained(str(root / "full"))
+    path = models.write_bundle(
+        root / "bundle-mixed", base=root / "base", constituents=[lora["refs"][0], root / "full"]
+    )
+    with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
+        lm = ProtectedLM.from_bundle(path, method="scp-delta-r")
+    assert lm._stacked is None
+    assert "LoRA fast path off" in caplog.text and "full model, not a LoRA adapter" in caplog.text
+    general = ProtectedLM(
+        [lora["merged"][0], models.load_model(root / "full")], lora["tok"], base_model=lora["base"]
+    )
+    enc = _encode(lora["tok"], "right")
+    torch.testing.assert_close(
+        lm.score(enc["input_ids"], enc["attention_mask"]),
+        general.score(enc["input_ids"], enc["attention_mask"]),
+        atol=1e-6,
+        rtol=0,
+    )
+    ga = lm.generate(PROMPTS, max_new_tokens=4, stop_at_eos=False)
+    gb = general.generate(PROMPTS, max_new_tokens=4, stop_at_eos=False)
+    assert [g.token_ids for g in ga] == [g.token_ids for g in gb]
+
+
+def _off_reason(manifest, caplog, **kw):
+    kw = {"method": "scp-delta-r", "base": "model", **kw}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
+        assert stacked_from_bundle("/", manifest, **kw) is None
+    assert "LoRA fast path off" in caplog.text
+    return caplog.text
+
+
+def test_other_fallbacks_log_their_reason(lora, caplog, monkeypatch):
+    root, refs = lora["root"], lora["refs"]
+    ok = _manifest(root / "base", refs[:2])
+    assert "method 'none' runs one model" in _off_reason(ok, caplog, method="none")
+    monkeypatch.setenv("SCPDR_LORA_FAST", "0")
+    assert "SCPDR_LORA_FAST=0" in _off_reason(ok, caplog)
+    monkeypatch.delenv("SCPDR_LORA_FAST")
+    # an adapter over a different base model
+    other = testing.tiny_model(1)
+    other.save_pretrained(str(root / "base-other"))
+    save_random_lora(other, root / "adapter-other", base_ref="../base-other", seed=9)
+    mixed = _manifest(root / "base", [refs[0], root / "adapter-other"])
+    assert "different base models" in _off_reason(mixed, caplog)
+    # the base of SCP-Δr-b is another full model than the adapters' base ...
+    other_base = _manifest(root / "base-other", refs[:2])
+    assert "base (" in _off_reason(other_base, caplog) and "full model" in caplog.text
+    # ... which does not matter for methods without a base model
+    stack = stacked_from_bundle("/", other_base, method="cp-delta", base="model")
+    assert stack is not None and stack.num_groups == 2
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"peft_type": "IA3"}, "IA3 adapter, not LoRA"),
+        ({"bias": "all"}, "trains biases"),
+        ({"alpha_pattern": {"q_proj": 3}}, "alpha_pattern"),
+        ({"lora_bias": True}, "lora_bias"),
+        ("magnitude", "not a LoRA A/B matrix"),
+    ],
+)
+def test_unsupported_adapter_features_fall_back(lora, caplog, tmp_path, edit, reason):
+    d = tmp_path / "adapter"
+    shutil.copytree(lora["refs"][1], d)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = str((lora["root"] / "base").resolve())
+    if edit == "magnitude":  # a DoRA magnitude vector among the weights
+        from safetensors.torch import load_file, save_file
+
+        w = load_file(str(d / "adapter_model.safetensors"))
+        w["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = torch.ones(32)
+        save_file(w, str(d / "adapter_model.safetensors"))
+    else:
+        cfg.update(edit)
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedAdapterError, match=reason):
+        read_lora_adapter(d)
+    assert reason in _off_reason(_manifest(lora["root"] / "base", [lora["refs"][0], d]), caplog)
