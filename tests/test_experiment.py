@@ -110,7 +110,10 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
             {"corpora": [{"name": "code", "source": "pycode", "attacks": ["pii"]}]},
             "attack 'pii' needs the names2ids corpus",
         ),
-        ({"partitions": {"k": 3}}, "cp-fuse fuses exactly 2 constituents"),
+        (
+            {"partitions": {"k": 3}, "methods": ["none", "cp-fuse"]},
+            "cp-fuse fuses exactly 2 constituents",
+        ),
         ({"bounds": {"methods": ["cp-delta", "nope"]}}, "bounds.methods"),
         (
             {
@@ -274,3 +277,83 @@ def test_cli_dry_run_lists_stages(tmp_path, capsys):
     assert main(["experiment", str(TINY), "--out", str(tmp_path / "o"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "to run  data/names2ids" in out and "report" in out
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from scpdr.experiment import run_experiment
+
+    out = tmp_path_factory.mktemp("tiny-run")
+    return run_experiment(TINY, out, progress=False)
+
+
+def test_tiny_experiment_produces_every_column_figure_and_file(tiny_run):
+    res = tiny_run
+    assert res.results_json.is_file() and res.report_md.is_file() and res.report_html.is_file()
+    table = res.main_table
+    cols = {(c.group, c.label) for c in table.columns}
+    assert cols == {
+        ("NAS", "Mean"),
+        ("Canary", "Mean"),
+        ("Canary", "95%"),
+        ("PII", "AEL"),
+        ("PII", "FER"),
+        ("TTE", "AUC"),
+        ("TTE", "ACC"),
+        ("Utility", "ACC"),
+    }
+    assert table.row_keys == [
+        "none",
+        "cp-delta",
+        "scp-delta-r-c",
+        "scp-delta-r-b",
+        "goldfish",
+        "none-val",
+        "ste",
+    ]
+    for key in table.row_keys[:-1]:  # every method row has a value in every column
+        row = table.cells[table.row_keys.index(key)]
+        assert all(c.value is not None for c in row[1:]), key
+    for name in ("kx_hist", "tx_vx_hist", "exposure_vs_m", "tte_vs_epochs", "lira_roc_names2ids"):
+        assert (res.out / "plots" / f"{name}.png").is_file(), name
+    md = res.report_md.read_text()
+    assert "Omitted" not in md and "## k_x bounds (99th percentile)" in md
+    assert "Greedy continuations of training prompts" in md
+    page = res.report_html.read_text()
+    assert page.count("data:image/png;base64,") == 5
+    rows = json.loads(res.results_json.read_text())
+    assert {"method", "attack", "metric", "value"} <= set(rows[0])
+    methods = {r["method"] for r in rows}
+    assert {"scp-delta-r-b", "scp-delta-r-c", "none-val", "goldfish"} <= methods
+    # Sweep rows are tagged and kept out of the main table.
+    m_rows = [r for r in rows if r.get("sweep") == "m"]
+    assert {r["sweep_value"] for r in m_rows} == {1, 100}
+    assert {r["method"] for r in m_rows} == {"scp-delta-r-b"}
+    kx = [r for r in rows if r["attack"] == "bounds" and r["metric"] == "k_x_p99"]
+    assert {r["method"] for r in kx} == {"cp-delta", "scp-delta-r-c", "scp-delta-r-b"}
+
+
+def test_tiny_experiment_cache_and_selective_rerun(tiny_run, tmp_path):
+    from scpdr.experiment import run_experiment
+
+    res = tiny_run
+    again = run_experiment(TINY, res.out, progress=False)
+    assert again.ran == [] and len(again.cached) == len(res.outcomes)
+    assert json.loads(again.results_json.read_text()) == json.loads(res.results_json.read_text())
+
+    # A changed setting re-runs only the stages that depend on it (here: the generations and
+    # the report; test_plan_hashes_depend_only_on_relevant_settings covers m and training).
+    changed = tmp_path / "tiny-gen.yaml"
+    changed.write_text(
+        yaml.safe_dump(merged(tiny_dict(), {"attacks": {"generations": {"max_new_tokens": 3}}}))
+    )
+    third = run_experiment(changed, res.out, progress=False)
+    assert sorted(third.ran) == [
+        "attack/names2ids/none/generations",
+        "attack/names2ids/scp-delta-r-b/generations",
+        "report",
+    ]
+    assert len(third.cached) == len(res.outcomes) - 3

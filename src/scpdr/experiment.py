@@ -1740,12 +1740,14 @@ def _attack_canary(
     for r in res.rows(method=method, corpus=corpus):
         d = r.to_dict()
         d["corpus"] = corpus
-        if d.get("repetitions") == 0:
+        if d.get("baseline") or d.get("repetitions") == 0:
             # Never-inserted canaries: the random-canary baseline. Under No CP this is the
-            # paper's "No CP-val" canary value.
+            # paper's "No CP-val" canary value; other methods' baselines are not reported.
             if method != "none":
                 continue
             d["method"] = "none-val"
+            d["metric"] = str(d["metric"]).removeprefix("baseline_")
+            d["repetitions"] = 0
         rows.append(d)
     return rows
 

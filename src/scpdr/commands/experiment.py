@@ -53,6 +53,8 @@ def run_and_print(
     result = run_experiment(config, out, force=force, progress=progress, keep_stale=keep_stale)
     seconds = time.perf_counter() - t0
     console = Console()
+    if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
+        console = Console(width=200)
     console.print(to_rich(result.main_table))
     for note in result.main_table.notes:
         console.print(f"[dim]{note}[/dim]")
