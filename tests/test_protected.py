@@ -410,3 +410,42 @@ def test_bundle_command(bundle, tmp_path):
     assert new.m == 7 and len(new.constituents) == 2 and new.constant_base
     assert ProtectedLM.from_bundle(out, base="constant").variant == "c"
     assert main(["bundle", str(tmp_path / "bad"), "-c", str(tmp_path / "missing")]) == 2
+
+
+class _NoTensorKeepLlama:
+    """A real tiny Llama whose forward accepts only int ``logits_to_keep`` (like architectures
+    without position selection): the runtime must fall back to indexing full logits."""
+
+    @staticmethod
+    def make(model):
+        from transformers import LlamaForCausalLM
+
+        class Restricted(LlamaForCausalLM):
+            def forward(self, *args, logits_to_keep=0, **kwargs):
+                if isinstance(logits_to_keep, torch.Tensor):
+                    raise TypeError("logits_to_keep must be an int here")
+                return super().forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+
+        r = Restricted(model.config)
+        r.load_state_dict(model.state_dict())
+        return r.eval()
+
+
+def test_models_without_tensor_logits_to_keep_give_the_same_scores(parts):
+    texts = ["My secret code is 8675", "a b", "Hello there, how are you"]
+    ids, mask = _padded(parts["tok"], texts, "right")
+    normal = _lm(parts, "scp-delta-r", "b")
+    restricted = ProtectedLM(
+        [_NoTensorKeepLlama.make(c) for c in parts["cons"]],
+        parts["tok"],
+        base_model=_NoTensorKeepLlama.make(parts["base"]),
+        method="scp-delta-r",
+    )
+    a = normal.score(ids, mask, k_x=True)
+    b = restricted.score(ids, mask, k_x=True)
+    torch.testing.assert_close(a.token_logprobs, b.token_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.k_x, b.k_x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        normal.next_token_logprobs(ids, mask), restricted.next_token_logprobs(ids, mask)
+    )
+    assert len(restricted._full_logits_only) == 3 and not normal._full_logits_only

@@ -137,6 +137,16 @@ def _positions(mask: Tensor) -> Tensor:
     return pos.masked_fill(mask == 0, 0)
 
 
+def _index_positions(logits: Tensor, keep: Tensor) -> Tensor:
+    """``logits`` ``(*lead, B, T, V)`` at ``keep``: bool ``(B, T)`` → ``(*lead, N, V)``;
+    long ``(B, 1)`` → ``(*lead, B, 1, V)``."""
+    nb = logits.ndim - 3  # leading dims
+    if keep.dtype == torch.bool:
+        return logits[(slice(None),) * nb + (keep,)]
+    rows = torch.arange(keep.shape[0], device=keep.device)
+    return logits[(slice(None),) * nb + (rows, keep[:, 0])].unsqueeze(-2)
+
+
 def _per_row(value: Any, n: int, name: str) -> list[Any]:
     """``value`` as a list of ``n`` entries (one value shared, or a list with one per prompt)."""
     if isinstance(value, (list, tuple)):
@@ -310,6 +320,7 @@ class ProtectedLM:
         #: scpdr.lora_fast.StackedLoRA when the run models are LoRA groups over one base (set by
         #: from_bundle): one stacked forward replaces the per-model loop.
         self._stacked: Any = None
+        self._full_logits_only: set[int] = set()  # models without logits_to_keep tensors
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -428,30 +439,76 @@ class ProtectedLM:
         mask: Tensor,
         positions: Tensor,
         caches: list[Any] | None = None,
-        logits_to_keep: int = 0,
+        keep: int | Tensor = 0,
     ) -> tuple[Tensor, Tensor | None]:
-        """Run every needed model: ``(logits (K', B, T', V) float32, base (B, T', V) | None)``."""
+        """Run every needed model; logits float32 at the positions ``keep`` selects.
+
+        ``keep``: an int n keeps the last n positions (0 = all) → ``(K', B, T', V)``; a bool
+        ``(B, T)`` tensor keeps those positions → ``(K', N, V)``; a long ``(B, 1)`` tensor keeps
+        one position per row → ``(K', B, 1, V)``. The lm head runs only where kept when the model
+        supports ``logits_to_keep`` tensors (else full logits are indexed). Returns
+        ``(constituents' logits, base logits | None)``.
+        """
         if self._stacked is not None:  # LoRA groups over one base: one stacked forward
             cache = None if caches is None else caches[0]
-            out = self._stacked(input_ids, mask, positions, cache, logits_to_keep)  # (G,B,T',V)
+            n = keep if isinstance(keep, int) else 0
+            out = self._stacked(input_ids, mask, positions, cache, n)  # (G, B, T', V)
+            if isinstance(keep, Tensor):
+                out = _index_positions(out, keep)
             return (out[:-1], out[-1]) if self.variant == "b" else (out, None)
-        outs = []
-        for i, model in enumerate(self._run):
-            kwargs: dict[str, Any] = {}
-            if caches is not None:
-                kwargs = {"past_key_values": caches[i], "use_cache": True}
-            else:
-                kwargs = {"use_cache": False}
+        outs = [
+            self._model_logits(
+                model, input_ids, mask, positions, keep, None if caches is None else caches[i]
+            )
+            for i, model in enumerate(self._run)
+        ]
+        base = outs.pop() if self.variant == "b" else None
+        return torch.stack(outs), base
+
+    def _model_logits(
+        self,
+        model: PreTrainedModel,
+        input_ids: Tensor,
+        mask: Tensor,
+        positions: Tensor,
+        keep: int | Tensor,
+        cache: Any | None,
+    ) -> Tensor:
+        kwargs: dict[str, Any] = (
+            {"past_key_values": cache, "use_cache": True}
+            if cache is not None
+            else {"use_cache": False}
+        )
+
+        def run(k: int | Tensor) -> Tensor:
             out = model(
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                logits_to_keep=logits_to_keep,
+                logits_to_keep=k,
                 **kwargs,
             )
-            outs.append(out.logits.float())
-        base = outs.pop() if self.variant == "b" else None
-        return torch.stack(outs), base
+            return out.logits.float()
+
+        if isinstance(keep, int):
+            return run(keep)
+        if id(model) not in self._full_logits_only:
+            if keep.dtype == torch.bool:
+                expected: tuple[int, ...] = (int(keep.sum()), self.vocab_size)
+            else:
+                expected = (keep.shape[0], 1, self.vocab_size)
+            try:
+                logits = run(keep)
+                if logits.shape == (1, *expected):
+                    logits = logits[0]
+                if tuple(logits.shape) == expected:
+                    return logits
+            except (TypeError, ValueError, IndexError, RuntimeError) as exc:
+                logger.debug("logits_to_keep tensors unsupported (%s); indexing full logits", exc)
+                if cache is not None:  # the failed call may have grown the cache: not retried
+                    raise
+            self._full_logits_only.add(id(model))
+        return _index_positions(run(0), keep)
 
     def _base_for(self, base: Tensor | None) -> Tensor | None:
         return self.base_vector if self.variant == "c" else base
@@ -484,15 +541,13 @@ class ProtectedLM:
         ``Tensor[B, V]`` float32 (left- or right-padded inputs). CP-Fuse uses the path-free
         objective here (as at its first generated token)."""
         ids, mask = self._check_inputs(input_ids, attention_mask)
-        left = bool((mask[:, -1] == 1).all())
-        logits, base = self._forward(ids, mask, _positions(mask), logits_to_keep=1 if left else 0)
-        if left:
-            logits, base = logits[:, :, -1], None if base is None else base[:, -1]
+        if bool((mask[:, -1] == 1).all()):  # left padding / no padding: the last column
+            keep: int | Tensor = 1
         else:
             last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)  # (B,)
-            rows = torch.arange(ids.shape[0], device=mask.device)
-            logits = logits[:, rows, last]  # (K', B, V)
-            base = None if base is None else base[rows, last]
+            keep = last.unsqueeze(1)  # (B, 1)
+        logits, base = self._forward(ids, mask, _positions(mask), keep=keep)  # (K', B, 1, V)
+        logits, base = logits[:, :, -1], None if base is None else base[:, -1]
         log_r, _, _, _ = self._certify(logits, self._base_for(base), None, bounds_too=False)
         return log_r
 
@@ -563,21 +618,23 @@ class ProtectedLM:
     def _score_chunk(
         self, ids, mask, sl, tok_lp, out_full, out_greedy, out_kx, out_tx, comp_l, comp_b
     ):
-        logits, base = self._forward(ids, mask, _positions(mask))
-        logits, base = logits[:, :, :-1], None if base is None else base[:, :-1]  # (K', b, T-1, V)
-        valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)  # (b, T-1)
-        target = ids[:, 1:]  # (b, T-1)
+        b, t = ids.shape
+        valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)  # (b, T-1): real context and target
+        if not bool(valid.any()):
+            return
+        keep = torch.cat([valid, valid.new_zeros(b, 1)], dim=1)  # (b, T): positions predicting
+        logits, base = self._forward(ids, mask, _positions(mask), keep=keep)  # (K', N, V), (N, V)
+        target = ids[:, 1:][valid]  # (N,)
         path = None
         if self.method == "cp-fuse":
-            lp = naf.normalize(logits)  # (2, b, T-1, V)
-            tgt = lp.gather(-1, target.unsqueeze(0).unsqueeze(-1).expand(2, -1, -1, 1)).squeeze(-1)
-            tgt = tgt * valid  # (2, b, T-1)
-            path = (tgt.cumsum(-1) - tgt)[:, valid]  # exclusive prefix sums at valid positions
-        flat = logits[:, valid]  # (K', N, V)
-        fbase = base[valid] if base is not None else self._base_for(None)
+            tgt = naf.normalize(logits).gather(-1, target.view(1, -1, 1).expand(2, -1, 1))
+            dense = torch.zeros(2, b, t - 1, device=ids.device)
+            dense[:, valid] = tgt.squeeze(-1)  # (2, b, T-1)
+            path = (dense.cumsum(-1) - dense)[:, valid]  # exclusive prefix sums: (2, N)
+        fbase = base if base is not None else self._base_for(None)
         need = out_kx is not None or out_tx is not None
-        log_r, kx, tx, _ = self._certify(flat, fbase, path, bounds_too=need)
-        tok_lp[sl][valid] = log_r.gather(-1, target[valid].unsqueeze(-1)).squeeze(-1)
+        log_r, kx, tx, _ = self._certify(logits, fbase, path, bounds_too=need)  # (N, V)
+        tok_lp[sl][valid] = log_r.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         if out_full is not None:
             out_full[sl][valid] = log_r
         if out_greedy is not None:
@@ -587,9 +644,10 @@ class ProtectedLM:
         if out_tx is not None:
             out_tx[sl][valid] = tx
         if comp_l is not None:
-            comp_l[:, sl] = torch.log_softmax(logits, dim=-1).cpu()
+            vc = valid.cpu()
+            comp_l[:, sl][:, vc] = torch.log_softmax(logits, dim=-1).cpu()
             if comp_b is not None and base is not None:
-                comp_b[sl] = torch.log_softmax(base, dim=-1).cpu()
+                comp_b[sl][vc] = torch.log_softmax(base, dim=-1).cpu()
 
     # ------------------------------------------------------------------ generation
 
@@ -885,7 +943,7 @@ class _Decoder:
     @torch.inference_mode()
     def prefill(self) -> tuple[Tensor, Tensor | None]:
         logits, base = self.lm._forward(
-            self.ids, self.mask, _positions(self.mask), self.caches, logits_to_keep=1
+            self.ids, self.mask, _positions(self.mask), self.caches, keep=1
         )
         return logits[:, :, -1], None if base is None else base[:, -1]
 
@@ -896,7 +954,7 @@ class _Decoder:
         self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
         pos = self.next_pos.unsqueeze(1)
         self.next_pos = self.next_pos + 1
-        logits, base = self.lm._forward(ids, self.mask, pos, self.caches, logits_to_keep=1)
+        logits, base = self.lm._forward(ids, self.mask, pos, self.caches, keep=1)
         return logits[:, :, -1], None if base is None else base[:, -1]
 
     def select(self, keep: list[int]) -> None:
