@@ -413,6 +413,18 @@ class ExperimentConfig(_Section):
             )
         if self.bounds.methods is not None:
             _check_methods(self.bounds.methods, where="bounds.methods")
+            if "cp-fuse" in self.bounds.methods:
+                raise ValueError(
+                    "bounds.methods: cp-fuse is stateful and has no per-position NAF bound; "
+                    "remove it"
+                )
+        if self.references.enabled is False:
+            lira = [c.name for c in self.corpora if "lira" in c.resolved_attacks]
+            if lira:
+                raise ValueError(
+                    f"references.enabled: false, but attack 'lira' (corpora {lira}) needs the "
+                    "reference model p0; enable it or drop 'lira' from the corpus attacks"
+                )
         bad = [m for m in self.attacks.generations.methods if m not in self.all_methods]
         if bad:
             raise ValueError(
