@@ -336,3 +336,24 @@ def test_kx_table_and_renderers():
     console.print(to_rich(t))
     assert "SCP-Δr-b" in console.export_text()
     assert kx_table([{"method": "none", "attack": "pii", "metric": "ael", "value": 1}]) is None
+
+
+def test_lira_table():
+    from scpdr.report.tables import lira_table
+
+    rows = [
+        {"method": m, "attack": "lira", "metric": metric, "value": v, "corpus": "ids"}
+        for m, auc, tpr in (
+            ("none", 0.95, 0.4),
+            ("cp-delta-r", 0.7, 0.05),
+            ("scp-delta-r-b", 0.52, 0.0),
+        )
+        for metric, v in (("auc", auc), ("tpr@0.01fpr", tpr))
+    ]
+    t = lira_table(rows, corpus_labels={"ids": "IDs"})
+    assert t is not None and [c.label for c in t.columns] == ["AUC", "TPR@1%"]
+    assert t.marks("scp-delta-r-b") == ["best", "best"] and t.marks("cp-delta-r") == [
+        "second",
+        "second",
+    ]
+    assert lira_table([]) is None

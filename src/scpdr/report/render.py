@@ -26,6 +26,7 @@ from scpdr.report.tables import (
     canary_table,
     generations_table,
     kx_table,
+    lira_table,
     main_table,
     to_html,
     to_markdown,
@@ -144,6 +145,9 @@ def render_report(
     canary = canary_table(rows)
     if canary is not None:
         tables["canary"] = canary
+    lira = lira_table(rows, corpus_labels=labels)
+    if lira is not None:
+        tables["lira"] = lira
     gens = generations_table(inputs.generations, inputs.generation_methods)
     if gens is not None:
         tables["generations"] = gens
@@ -227,6 +231,12 @@ def render_report(
             _Block("table", table=tables["canary"]),
         ]
         blocks += [_Block("note", n) for n in tables["canary"].notes]
+    if "lira" in tables:
+        blocks += [
+            _Block("h2", "Membership inference (LiRA)"),
+            _Block("table", table=tables["lira"]),
+        ]
+        blocks += [_Block("note", n) for n in tables["lira"].notes]
     blocks.append(_Block("h2", "Figures"))
     blocks += _figure_blocks(
         "kx_hist",

@@ -36,6 +36,7 @@ __all__ = [
     "format_value",
     "generations_table",
     "kx_table",
+    "lira_table",
     "main_table",
     "nas_scores",
     "rank_marks",
@@ -584,6 +585,56 @@ def canary_table(
         notes=[
             "Exposure in bits (Carlini et al. 2019). Random baseline: never-inserted canaries of "
             "the same format under No CP (the same for every repetition count)."
+        ],
+    )
+
+
+def lira_table(
+    rows: Iterable[Any],
+    *,
+    corpus_labels: Mapping[str, str] | None = None,
+    title: str = "Membership inference (LiRA)",
+) -> Table | None:
+    """LiRA ROC AUC and TPR at 1% / 0.1% FPR per method and corpus (rows ``attack == "lira"``);
+    None without such rows."""
+    rows = [r for r in _main_rows(rows) if r.get("attack") == "lira"]
+    if not rows:
+        return None
+    labels = dict(corpus_labels or {})
+    metrics = [("auc", "AUC"), ("tpr@0.01fpr", "TPR@1%"), ("tpr@0.001fpr", "TPR@0.1%")]
+    columns = [
+        Column("LiRA", labels.get(c, c or "") if c else "", label, "down", "lira", (metric,), c)
+        for c in _corpora_for(rows, "lira")
+        for metric, label in metrics
+        if any(r.get("metric") == metric and r.get("corpus") == c for r in rows)
+    ]
+    methods = _ordered_methods(rows, None)
+    vals = {
+        m: [
+            _value(_pick(rows, method=m, attack="lira", metrics=c.metrics, corpus=c.corpus))
+            for c in columns
+        ]
+        for m in methods
+    }
+    methods = [m for m in methods if any(v is not None for v in vals[m])]
+    marks: dict[str, list[Mark]] = {m: [None] * len(columns) for m in methods}
+    for j, col in enumerate(columns):
+        col_marks = rank_marks([vals[m][j] for m in methods], col.direction)
+        for m, mk in zip(methods, col_marks, strict=True):
+            marks[m][j] = mk
+    return Table(
+        title=title,
+        columns=columns,
+        row_labels=[METHOD_LABELS.get(m, m) for m in methods],
+        row_keys=methods,
+        cells=[
+            [Cell(v, format_value(v), mk) for v, mk in zip(vals[m], marks[m], strict=True)]
+            for m in methods
+        ],
+        notes=[
+            "Offline LiRA against the same method over the reference constituents (p0 trained "
+            "without the targets); members = the held-out targets, non-members = validation. "
+            "AUC 0.5 = chance."
         ],
     )
 
