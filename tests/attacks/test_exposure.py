@@ -101,14 +101,19 @@ def test_exposure_rows_flag_within_two_std_of_baseline():
     high = chance + 10.0
     exp = np.r_[base, chance, high]
     rep = np.r_[np.zeros(200), np.ones(50), np.full(50, 3)].astype(int)
-    rows = {(r.metric, r.extra["repetitions"]): r for r in exposure_rows(exp, rep, method="m")}
-    assert rows[("exposure_mean", 0)].extra["baseline"] is True
+    rows = {(r.metric, r.extra.get("repetitions")): r for r in exposure_rows(exp, rep, method="m")}
+    assert rows[("baseline_exposure_mean", None)].extra["baseline"] is True
     assert rows[("exposure_mean", 3)].extra["within_2std_of_baseline"] is False
+    assert rows[("exposure_mean", 1)].extra["within_2std_of_baseline"] is True  # chance level
     assert rows[("exposure_mean", 3)].value == pytest.approx(high.mean())
     assert rows[("exposure_p95", 3)].value == pytest.approx(np.percentile(high, 95))
     assert rows[("exposure_mean", 1)].n == 50
+    # std / sqrt(n) is the standard error for the mean and the percentile alike
+    p95 = rows[("exposure_p95", 1)]
+    assert p95.std / np.sqrt(p95.n) == pytest.approx(p95.extra["stderr"])
     d = rows[("exposure_mean", 1)].to_dict()
     assert d["attack"] == "canary" and d["repetitions"] == 1
+    assert d["baseline_value"] == pytest.approx(base.mean())
 
 
 def test_extrapolation_recovers_a_known_tail():

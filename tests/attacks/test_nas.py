@@ -53,7 +53,8 @@ def test_nas_from_rows_by_hand():
     }.items():
         rows += [
             row(m, "canary", "exposure_mean", e_mean, "math", repetitions=3),
-            row(m, "canary", "exposure_mean", 99.0, "math", repetitions=0, baseline=True),
+            row(m, "canary", "exposure_mean", 50.0, "math", repetitions=1),  # not REP=3: ignored
+            row(m, "canary", "baseline_exposure_mean", 99.0, "math", baseline=True),
             row(m, "pii", "ael", ael, "names2ids"),
             row(m, "tte", "auc", auc, "math"),
             row(m, "utility", "accuracy", 0.5, "math"),

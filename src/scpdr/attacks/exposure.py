@@ -223,7 +223,9 @@ def canary_exposure(
         for row in rows:
             key = tuple(int(x) for x in row)
             if key not in word_ids:
-                word_ids[key] = encode(tok, space.render([space.words[i] for i in key]))
+                word_ids[key] = encode(
+                    tok, space.render([space.words[i] for i in key]), add_special_tokens=False
+                )
             out.append(word_ids[key])
         return out
 
@@ -282,13 +284,15 @@ def exposure_rows(
     extra: dict | None = None,
     n_boot: int = 1000,
 ) -> list[ResultRow]:
-    """Rows ``exposure_mean`` and ``exposure_p95`` per repetition count (``repetitions == 0`` is
-    the random-canary baseline, flagged ``baseline: true``).
+    """Rows ``exposure_mean`` and ``exposure_p95`` per repetition count (``repetitions`` in the
+    row), and ``baseline_exposure_mean`` / ``baseline_exposure_p95`` for the never-inserted
+    canaries (``repetitions == 0``; flagged ``baseline: true``, no ``repetitions`` key).
 
-    ``std`` is the spread across canaries for the mean and a bootstrap std for the percentile;
-    ``stderr`` is the bootstrap std of the statistic itself. Inserted groups carry
-    ``within_2std_of_baseline``: ``value <= baseline + 2 * stderr(baseline)`` — not significantly
-    above chance (the underlining in the paper's canary table).
+    ``stderr`` is the bootstrap standard error of the statistic; ``std`` is the spread across
+    canaries for the mean and ``stderr * sqrt(n)`` for the percentile (so that ``std / sqrt(n)``
+    is the standard error for every row, as the report's STE row reads it). Inserted groups
+    carry ``within_2std_of_baseline``: ``value <= baseline + 2 * stderr(baseline)`` — not
+    significantly above chance (the underlining in the paper's canary table, App. D.5).
     """
     exp = np.asarray(list(exposure), dtype=np.float64)
     rep = np.asarray(list(repetitions), dtype=np.int64)
@@ -297,25 +301,31 @@ def exposure_rows(
     extra = dict(extra or {})
     stats_of = {"exposure_mean": np.mean, "exposure_p95": _p95}
     baseline: dict[str, tuple[float, float]] = {}
+    rows = []
+
+    def row(metric: str, vals: np.ndarray, row_extra: dict) -> ResultRow:
+        fn = stats_of[metric.removeprefix("baseline_")]
+        value = float(fn(vals))
+        se = bootstrap_std(vals, fn, n_boot=n_boot)
+        if metric.endswith("exposure_mean"):
+            std = float(vals.std(ddof=1)) if vals.size > 1 else 0.0
+        else:
+            std = se * math.sqrt(vals.size)
+        row_extra = {**row_extra, "stderr": se}
+        base = baseline.get(metric)
+        if base is not None:
+            row_extra["baseline_value"] = base[0]
+            row_extra["within_2std_of_baseline"] = bool(value <= base[0] + 2.0 * base[1])
+        return ResultRow(method, "canary", metric, value, int(vals.size), std, corpus, row_extra)
+
     if (rep == 0).any():
         b = exp[rep == 0]
-        for metric, fn in stats_of.items():
-            baseline[metric] = (float(fn(b)), bootstrap_std(b, fn, n_boot=n_boot))
-    rows = []
-    for r in sorted(set(rep.tolist())):
-        vals = exp[rep == r]
-        for metric, fn in stats_of.items():
-            value = float(fn(vals))
-            se = bootstrap_std(vals, fn, n_boot=n_boot)
-            std = float(vals.std(ddof=1)) if (metric == "exposure_mean" and vals.size > 1) else se
-            row_extra = {**extra, "repetitions": r, "stderr": se}
-            if r == 0:
-                row_extra["baseline"] = True
-            elif metric in baseline:
-                b_val, b_se = baseline[metric]
-                row_extra["baseline_value"] = b_val
-                row_extra["within_2std_of_baseline"] = bool(value <= b_val + 2.0 * b_se)
-            rows.append(
-                ResultRow(method, "canary", metric, value, int(vals.size), std, corpus, row_extra)
-            )
+        for metric in stats_of:
+            r = row(f"baseline_{metric}", b, {**extra, "baseline": True})
+            baseline[metric] = (r.value, float(r.extra["stderr"]))
+            rows.append(r)
+    for rr in sorted(set(rep.tolist()) - {0}):
+        vals = exp[rep == rr]
+        for metric in stats_of:
+            rows.append(row(metric, vals, {**extra, "repetitions": rr}))
     return rows

@@ -94,36 +94,35 @@ def nas_from_rows(
     canary_repetitions: int | None = None,
     exclude: Iterable[str] = ("ste",),
 ) -> tuple[dict[str, float], list[ResultRow]]:
-    """NAS from result rows: one column per ``(attack, corpus, metric)`` of :data:`NAS_METRICS`
-    (canary columns of inserted canaries only; baseline rows are not columns). With several
-    canary repetition counts and ``canary_repetitions=None`` every count is a column, weighted
-    ``1/#counts`` so the canary attack keeps its weight; pass a count to use only that one.
+    """NAS from result rows: one column per ``(attack, corpus, metric)`` of :data:`NAS_METRICS`.
+
+    Canary columns use one repetition count: ``canary_repetitions``, else 3 (the paper's main
+    setting) when present, else the largest — the choice the report's main table makes. A canary
+    row without ``repetitions`` (e.g. ``"none-val"``: never-inserted canaries) is that method's
+    value; ``baseline_*`` rows are not columns.
 
     Returns ``({method: NAS}, rows)`` with rows ``(method, "nas", "nas", value)``."""
     wanted = set(NAS_METRICS)
+    picked = [r for r in rows if (_get(r, "attack"), _get(r, "metric")) in wanted]
+    reps = {
+        int(_get(r, "repetitions"))
+        for r in picked
+        if _get(r, "attack") == "canary" and _get(r, "repetitions")
+    }
+    if canary_repetitions is None and reps:
+        canary_repetitions = 3 if 3 in reps else max(reps)
     table: dict[str, dict[Hashable, float]] = {}
-    reps_seen: set[int] = set()
-    for r in rows:
+    for r in picked:
         attack, metric = _get(r, "attack"), _get(r, "metric")
-        if (attack, metric) not in wanted:
-            continue
-        rep = None
         if attack == "canary":
-            if _get(r, "baseline") or not _get(r, "repetitions"):
+            rep = _get(r, "repetitions")
+            if _get(r, "baseline") or (rep is not None and int(rep) != canary_repetitions):
                 continue
-            rep = int(_get(r, "repetitions"))
-            if canary_repetitions is not None and rep != canary_repetitions:
-                continue
-            reps_seen.add(rep)
-        col = (attack, _get(r, "corpus"), metric, rep)
+        col = (attack, _get(r, "corpus"), metric)
         table.setdefault(str(_get(r, "method")), {})[col] = float(_get(r, "value"))
-    weights: dict[Hashable, float] = {}
-    for cols in table.values():
-        for col in cols:
-            w = float(attack_weights.get(col[0], 1.0))
-            if col[0] == "canary" and reps_seen:
-                w /= len(reps_seen)
-            weights[col] = w
+    weights = {
+        col: float(attack_weights.get(col[0], 1.0)) for cols in table.values() for col in cols
+    }
     scores = nas(table, weights=weights, exclude=exclude)
     n_cols = len(weights)
     out_rows = [

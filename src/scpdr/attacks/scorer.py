@@ -75,8 +75,11 @@ def scorer_name(scorer: Any, default: str = "scorer") -> str:
 # ---------------------------------------------------------------------------- tokenization
 
 
-def encode(tokenizer: Any, text: str, *, add_special_tokens: bool = False) -> list[int]:
-    """Token IDs of ``text`` (no BOS/EOS unless asked): the one place attacks tokenize."""
+def encode(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token IDs of ``text``: the one place attacks tokenize. A text that starts a document
+    (a prompt, a training example) gets the tokenizer's special tokens as in training
+    (``scpdr.train`` tokenizes with the default); a continuation (a canary's secret) passes
+    ``add_special_tokens=False``."""
     try:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except TypeError:  # minimal tokenizers without the keyword
@@ -141,6 +144,8 @@ def _greedy_of(out: Any) -> tuple[Tensor, Tensor | None]:
         raise TypeError("score(..., greedy=True) returned no 'greedy' field")
     if isinstance(g, (tuple, list)) and len(g) == 2:
         return g[0], g[1]
+    if isinstance(g, Tensor) and _field(out, "greedy_logprobs") is not None:
+        return g, _field(out, "greedy_logprobs")
     for ids_name in ("token_ids", "ids", "tokens"):
         ids = _field(g, ids_name)
         if ids is not None:
@@ -150,7 +155,7 @@ def _greedy_of(out: Any) -> tuple[Tensor, Tensor | None]:
             return ids, lp
     if isinstance(g, Tensor) and not g.is_floating_point():
         full = _field(out, "logprobs")
-        lp = None if full is None else full.float().gather(-1, g.long().unsqueeze(-1)).squeeze(-1)
+        lp = None if full is None else full.float().amax(dim=-1)
         return g, lp
     raise TypeError(f"cannot read greedy tokens from {type(g).__name__}")
 
@@ -182,27 +187,68 @@ def batched_token_logprobs(
     return [t if t is not None else torch.empty(0) for t in out]
 
 
+#: Bound on the floats of a ``full=True`` score output held at once (128 MiB of float32).
+FULL_CHUNK_ELEMENTS = 1 << 25
+
+
+def _vocab_size(scorer: Scorer) -> int | None:
+    v = getattr(scorer, "vocab_size", None)
+    if v is None:
+        try:
+            v = len(scorer.tokenizer)
+        except TypeError:
+            return None
+    return int(v)
+
+
+def _greedy_full(scorer: Scorer, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(greedy ids, greedy log-probs, token log-probs)`` ``[B, T-1]`` from ``full=True`` outputs,
+    in row chunks of at most :data:`FULL_CHUNK_ELEMENTS` floats."""
+    v = _vocab_size(scorer) or 1
+    rows = max(1, FULL_CHUNK_ELEMENTS // max(1, ids.shape[1] * v))
+    parts = []
+    for s in range(0, ids.shape[0], rows):
+        res = scorer.score(ids[s : s + rows], mask[s : s + rows], full=True)
+        full = _field(res, "logprobs").detach().float()  # (b, T-1, V)
+        g_lp, g_ids = full.max(dim=-1)
+        parts.append((g_ids.cpu(), g_lp.cpu(), _token_logprobs_of(res).detach().float().cpu()))
+        del full, res
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+
 def batched_greedy(
     scorer: Scorer, seqs: Sequence[Sequence[int]], *, batch_size: int = 16
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """One teacher-forced pass per batch: for each sequence ``(greedy_ids[L], greedy_logprobs[L],
+    """Teacher-forced: for each sequence ``(greedy_ids[L], greedy_logprobs[L],
     token_logprobs[L])`` with ``L = len(s) - 1`` — at every prefix the argmax next token, its
-    log-prob, and the log-prob of the true next token."""
+    log-prob, and the log-prob of the true next token.
+
+    One ``score(..., greedy=True)`` pass per batch when the scorer returns the greedy tokens'
+    log-probs with them; otherwise the argmax is read off ``full=True`` distributions, in row
+    chunks that bound the memory."""
     out: list[Any] = [None] * len(seqs)
     pid = pad_token_id(scorer.tokenizer)
+    use_full = False
     for idx in _length_batches(seqs, batch_size):
         ids, mask = pad_batch([seqs[i] for i in idx], pad_id=pid, side="right")
-        res = scorer.score(ids, mask, greedy=True)
-        g_ids, g_lp = _greedy_of(res)
-        if g_lp is None:  # the runtime gave ids only: ask for the full distributions once
-            full = _field(scorer.score(ids, mask, full=True), "logprobs").float()
-            g_lp = full.gather(-1, g_ids.long().unsqueeze(-1)).squeeze(-1)
-        tl = _token_logprobs_of(res).detach().float().cpu()
-        g_ids = g_ids.detach().long().cpu()
-        g_lp = g_lp.detach().float().cpu()
+        g_ids = g_lp = tl = None
+        if not use_full:
+            res = scorer.score(ids, mask, greedy=True)
+            g_ids, g_lp = _greedy_of(res)
+            if g_lp is None:
+                use_full = True  # this scorer gives ids only: use full distributions from now on
+            else:
+                tl = _token_logprobs_of(res)
+        if use_full:
+            g_ids, g_lp, tl = _greedy_full(scorer, ids, mask)
+        g_ids, g_lp, tl = (t.detach().cpu() for t in (g_ids, g_lp, tl))
         for row, i in enumerate(idx):
             n = max(len(seqs[i]) - 1, 0)
-            out[i] = (g_ids[row, :n].clone(), g_lp[row, :n].clone(), tl[row, :n].clone())
+            out[i] = (
+                g_ids[row, :n].long().clone(),
+                g_lp[row, :n].float().clone(),
+                tl[row, :n].float().clone(),
+            )
     return out
 
 

@@ -1,0 +1,421 @@
+"""Run a set of attacks against a set of scorers and collect result rows (``scpdr eval``).
+
+- :class:`EvalData`: what the attacks need to know about the data — the target partition's
+  training texts and Names2IDs records, the validation set, the canaries and their candidate
+  space — built from a partition directory (:func:`EvalData.from_partitions`, the layout of
+  ``scpdr.data.save_partitions``) or by hand.
+- :func:`load_bundle_scorers`: one ``ProtectedLM`` per requested method over one copy of the
+  bundle's models (result-row names as in DESIGN.md: ``"none"``, ``"cp-delta"``, ``"cp-kl"``,
+  ``"cp-fuse"``, ``"cp-delta-r"``, ``"scp-delta-r-b"``, ``"scp-delta-r-c"``, ``"scp-delta"``).
+- :func:`run_eval`: every attack on every scorer, with wall-clock timings. The No CP scorer
+  (``"none"``) also yields the ``"none-val"`` rows (paper Table 3: the same attacks on data the
+  model never saw — validation names, never-inserted canaries, validation texts for TTE).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scpdr.attacks.exposure import Canary, CanarySpace, canary_exposure
+from scpdr.attacks.lira import LiRAResult, lira
+from scpdr.attacks.pii import PIIRecord, pii_extraction
+from scpdr.attacks.results import ResultRow
+from scpdr.attacks.scorer import Scorer
+from scpdr.attacks.tte import token_by_token_extraction
+from scpdr.attacks.utility import utility
+from scpdr.errors import ConfigError
+
+__all__ = [
+    "ATTACKS",
+    "EVAL_METHODS",
+    "EvalData",
+    "EvalOptions",
+    "EvalReport",
+    "load_bundle_scorers",
+    "resolve_method",
+    "run_eval",
+]
+
+log = logging.getLogger(__name__)
+
+ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility")
+
+#: Result-row method name → (``ProtectedLM`` method, base: None, "model" ('b') or "constant" ('c')).
+EVAL_METHODS: dict[str, tuple[str, str | None]] = {
+    "none": ("none", None),
+    "cp-delta": ("cp-delta", None),
+    "cp-kl": ("cp-kl", None),
+    "cp-fuse": ("cp-fuse", None),
+    "cp-delta-r": ("cp-delta-r", None),
+    "scp-delta-r": ("scp-delta-r", "model"),
+    "scp-delta-r-b": ("scp-delta-r", "model"),
+    "scp-delta-r-c": ("scp-delta-r", "constant"),
+    "scp-delta": ("scp-delta", "model"),
+    "scp-delta-b": ("scp-delta", "model"),
+    "scp-delta-c": ("scp-delta", "constant"),
+}
+
+_PII_PROMPT = re.compile(r"^Name: (?P<name>.+), ID:$")
+_PII_RESPONSE = re.compile(r"^ (?P<id>\d+)$")
+
+
+def resolve_method(name: str) -> tuple[str, str | None]:
+    try:
+        return EVAL_METHODS[name]
+    except KeyError:
+        raise ConfigError(f"unknown method {name!r}; known: {', '.join(EVAL_METHODS)}") from None
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+@dataclass
+class EvalData:
+    """The data the attacks read. Lists may be empty: an attack without its data is skipped
+    with a log line (``run_eval``)."""
+
+    corpus: str = "data"
+    train: list[str] = field(default_factory=list)
+    validation: list[str] = field(default_factory=list)
+    pii: list[PIIRecord] = field(default_factory=list)
+    pii_val: list[PIIRecord] = field(default_factory=list)
+    canaries: list[Canary] = field(default_factory=list)
+    canary_space: CanarySpace | None = None
+    members: list[str] | None = None
+    nonmembers: list[str] | None = None
+
+    @staticmethod
+    def pii_records(records: Sequence[Any]) -> list[PIIRecord]:
+        """Names2IDs records (``prompt = "Name: <name>, ID:"``, ``response = " <digits>"``)."""
+        out = []
+        for r in records:
+            p = _PII_PROMPT.match(getattr(r, "prompt", None) or "")
+            q = _PII_RESPONSE.match(getattr(r, "response", None) or "")
+            if p and q:
+                out.append(PIIRecord(p["name"], q["id"]))
+        return out
+
+    @classmethod
+    def from_partitions(
+        cls,
+        path: str | Path,
+        *,
+        target: int | None = None,
+        corpus: str | None = None,
+    ) -> EvalData:
+        """Read a partition directory (``manifest.json``, ``partition-<i>.jsonl``,
+        ``validation.jsonl``, ``canaries.json``). ``target``: the partition whose constituent
+        (``constituent <target>``, the No CP model when 0) is attacked — default the canaries'
+        partition, else 0. Canary copies are left out of the training texts."""
+        from scpdr.data import load_partitions
+        from scpdr.data.canaries import load_wordlist, wordlist_hash
+
+        pset = load_partitions(path)
+        reg = pset.canaries
+        if target is None:
+            target = reg.partition if reg is not None else 0
+        if not 0 <= target < pset.k:
+            raise ConfigError(f"target partition {target} does not exist (k = {pset.k})")
+        canary_ids = {r.id for r in reg.records()} if reg is not None else set()
+        part = [r for r in pset.parts[target] if r.id not in canary_ids]
+        data = cls(
+            corpus=corpus or str(pset.manifest.dataset.get("name") or Path(path).name),
+            train=[r.text for r in part],
+            validation=[r.text for r in pset.validation],
+            pii=cls.pii_records(part),
+            pii_val=cls.pii_records(pset.validation),
+        )
+        if reg is not None:
+            words = load_wordlist()
+            if wordlist_hash(words) != reg.wordlist_sha256:
+                raise ConfigError(
+                    f"{path}: the canaries were drawn from another word list than the installed "
+                    "one; exposure needs the original list (re-create the partitions)"
+                )
+            data.canary_space = CanarySpace(tuple(words), n_words=reg.config.num_words)
+            data.canaries = [Canary(c.prompt, tuple(c.words), c.repetitions) for c in reg.canaries]
+        return data
+
+
+@dataclass
+class EvalOptions:
+    """Sizes and knobs of :func:`run_eval` (``None`` = all)."""
+
+    n_reference: int = 10_000
+    enumerate_limit: int = 1 << 14
+    batch_size: int = 16
+    pii_n: int | None = None
+    tte_n: int | None = 64
+    tte_max_tokens: int | None = 256
+    tte_q_fails: bool = False
+    lira_n: int | None = None
+    lira_max_tokens: int | None = 256
+    utility_n: int | None = None
+    utility_max_tokens: int | None = 256
+    seed: int = 0
+
+
+@dataclass
+class EvalReport:
+    rows: list[ResultRow] = field(default_factory=list)
+    timings: list[dict[str, Any]] = field(default_factory=list)
+    lira: dict[str, LiRAResult] = field(default_factory=dict)
+
+    def roc_curves(self) -> dict[str, dict[str, Any]]:
+        """``{method: {"fpr", "tpr", "auc"}}`` (``scpdr.report.ReportInputs.roc`` for one corpus)."""
+        out = {}
+        for m, res in self.lira.items():
+            fpr, tpr = res.roc()
+            out[m] = {"fpr": fpr.tolist(), "tpr": tpr.tolist(), "auc": res.auc}
+        return out
+
+
+def _take(xs: Sequence[Any] | None, n: int | None) -> list[Any]:
+    xs = list(xs or [])
+    return xs if n is None else xs[:n]
+
+
+def run_eval(
+    scorers: Mapping[str, Scorer],
+    data: EvalData,
+    attacks: Sequence[str],
+    *,
+    options: EvalOptions | None = None,
+    reference: Callable[[str], Scorer | None] | Mapping[str, Scorer] | None = None,
+    q_scorer: Scorer | None = None,
+) -> EvalReport:
+    """Run ``attacks`` (names of :data:`ATTACKS`) on every scorer; rows are named by the keys of
+    ``scorers``. ``reference(method)`` (or a mapping) gives LiRA's reference scorer for a method
+    (trained without the members); ``q_scorer`` enables TTE's "q fails" rows."""
+    opts = options or EvalOptions()
+    bad = [a for a in attacks if a not in ATTACKS]
+    if bad:
+        raise ConfigError(f"unknown attack(s) {bad}; known: {', '.join(ATTACKS)}")
+    ref_of: Callable[[str], Scorer | None]
+    if reference is None:
+        ref_of = lambda _m: None  # noqa: E731
+    elif isinstance(reference, Mapping):
+        ref_of = reference.get
+    else:
+        ref_of = reference
+    rep = EvalReport()
+    corpus = data.corpus
+
+    def timed(method: str, attack: str, n: int, fn: Callable[[], list[ResultRow]]) -> None:
+        t0 = time.perf_counter()
+        rows = fn()
+        dt = time.perf_counter() - t0
+        rep.rows.extend(rows)
+        rep.timings.append(
+            {
+                "method": method,
+                "attack": attack,
+                "seconds": dt,
+                "examples": n,
+                "seconds_per_100": 100.0 * dt / n if n else None,
+            }
+        )
+        log.info("%s / %s: %d examples in %.1f s", method, attack, n, dt)
+
+    for method, scorer in scorers.items():
+        for attack in attacks:
+            if attack == "canary":
+                if not data.canaries or data.canary_space is None:
+                    log.info("canary: no canaries in the data, skipped")
+                    continue
+
+                def run_canary(method=method, scorer=scorer) -> list[ResultRow]:
+                    res = canary_exposure(
+                        scorer,
+                        data.canaries,
+                        data.canary_space,
+                        n_reference=opts.n_reference,
+                        enumerate_limit=opts.enumerate_limit,
+                        batch_size=opts.batch_size,
+                        seed=opts.seed,
+                    )
+                    rows = res.rows(method=method, corpus=corpus)
+                    if method == "none":  # never-inserted canaries under No CP: "none-val"
+                        rows += _none_val_canary_rows(rows)
+                    return rows
+
+                timed(method, "canary", len(data.canaries), run_canary)
+            elif attack == "pii":
+                recs = _take(data.pii, opts.pii_n)
+                if not recs:
+                    log.info("pii: no Names2IDs records in the data, skipped")
+                    continue
+                timed(
+                    method,
+                    "pii",
+                    len(recs),
+                    lambda method=method, scorer=scorer, recs=recs: pii_extraction(
+                        scorer, recs, batch_size=opts.batch_size
+                    ).rows(method=method, corpus=corpus),
+                )
+                val = _take(data.pii_val, opts.pii_n)
+                if method == "none" and val:
+                    timed(
+                        "none-val",
+                        "pii",
+                        len(val),
+                        lambda scorer=scorer, val=val: pii_extraction(
+                            scorer, val, batch_size=opts.batch_size
+                        ).rows(method="none-val", corpus=corpus),
+                    )
+            elif attack == "tte":
+                ex = _take(data.train, opts.tte_n)
+                if not ex:
+                    log.info("tte: no training texts, skipped")
+                    continue
+
+                def run_tte(method=method, scorer=scorer, ex=ex, name=None) -> list[ResultRow]:
+                    res = token_by_token_extraction(
+                        scorer,
+                        ex,
+                        q_scorer=q_scorer if opts.tte_q_fails else None,
+                        max_tokens=opts.tte_max_tokens,
+                        batch_size=opts.batch_size,
+                    )
+                    return res.rows(method=name or method, corpus=corpus)
+
+                timed(method, "tte", len(ex), run_tte)
+                val = _take(data.validation, opts.tte_n)
+                if method == "none" and val:
+                    timed(
+                        "none-val",
+                        "tte",
+                        len(val),
+                        lambda scorer=scorer, val=val: run_tte("none", scorer, val, "none-val"),
+                    )
+            elif attack == "lira":
+                members = _take(
+                    data.members if data.members is not None else data.train, opts.lira_n
+                )
+                non = _take(
+                    data.nonmembers if data.nonmembers is not None else data.validation, opts.lira_n
+                )
+                ref = ref_of(method)
+                if not members or not non or ref is None:
+                    log.info(
+                        "lira: %s skipped (members, non-members and a reference needed)", method
+                    )
+                    continue
+
+                def run_lira(method=method, scorer=scorer, ref=ref, members=members, non=non):
+                    res = lira(
+                        scorer,
+                        ref,
+                        members,
+                        non,
+                        max_tokens=opts.lira_max_tokens,
+                        batch_size=opts.batch_size,
+                    )
+                    rep.lira[method] = res
+                    return res.rows(method=method, corpus=corpus)
+
+                timed(method, "lira", len(members) + len(non), run_lira)
+            elif attack == "utility":
+                val = _take(data.validation, opts.utility_n)
+                if not val:
+                    log.info("utility: no validation texts, skipped")
+                    continue
+                timed(
+                    method,
+                    "utility",
+                    len(val),
+                    lambda method=method, scorer=scorer, val=val: utility(
+                        scorer, val, max_tokens=opts.utility_max_tokens, batch_size=opts.batch_size
+                    ).rows(method=method, corpus=corpus),
+                )
+    return rep
+
+
+def _none_val_canary_rows(rows: list[ResultRow]) -> list[ResultRow]:
+    """The random-canary baseline under No CP as the ``none-val`` canary row (no repetitions:
+    the main table's pooled value)."""
+    out = []
+    for r in rows:
+        if r.extra.get("baseline"):
+            extra = {k: v for k, v in r.extra.items() if k not in ("repetitions", "baseline")}
+            metric = r.metric.removeprefix("baseline_")
+            out.append(
+                ResultRow("none-val", r.attack, metric, r.value, r.n, r.std, r.corpus, extra)
+            )
+    return out
+
+
+# ------------------------------------------------------------------------------------ scorers
+
+
+def load_bundle_scorers(
+    path: str | Path,
+    methods: Sequence[str],
+    *,
+    m: int | None = None,
+    dtype: Any = None,
+    reference: str | None = None,
+) -> tuple[dict[str, Scorer], Callable[[str], Scorer | None], Scorer | None]:
+    """``(scorers, reference_of, q_scorer)`` for a bundle, loading each model once.
+
+    ``reference``: a model ref for ``p_0`` (trained without the LiRA members); the reference of
+    method X is then X over ``(p_0, constituents 1..K-1)`` — the worst case ``CP(p_0, q)`` of
+    Theorem 4.5. Without it the reference is ``q`` (constituent 1 alone, Theorem 4.4's
+    ``r_0 = q``), which never saw the target partition either. ``q_scorer`` is constituent 1
+    alone (for TTE's "q fails" restriction), or None for a one-model bundle.
+    """
+    from scpdr import models as M
+    from scpdr.protected import ProtectedLM
+
+    specs = {name: resolve_method(name) for name in methods}
+    manifest = M.read_bundle(path)
+    tok = M.load_tokenizer(manifest.resolve(path, manifest.tokenizer))
+    cons = [M.load_model(manifest.resolve(path, r), dtype=dtype) for r in manifest.constituents]
+    base_model = base_vector = None
+    if any(src == "model" for _, src in specs.values()):
+        if manifest.base is None:
+            raise ConfigError(f"bundle {path} has no base model; use the '-c' variants")
+        base_model = M.load_model(manifest.resolve(path, manifest.base), dtype=dtype)
+    if any(src == "constant" for _, src in specs.values()):
+        base_vector = M.load_constant_base(path, manifest)
+        if base_vector is None:
+            raise ConfigError(
+                f"bundle {path} stores no constant base vector; use the '-b' variants"
+            )
+    mm = manifest.m if m is None else m
+
+    def build(models: list[Any], name: str) -> Scorer:
+        method, src = specs[name]
+        if method == "none":
+            return ProtectedLM([models[0]], tok, method="none")
+        return ProtectedLM(
+            models,
+            tok,
+            base_model=base_model if src == "model" else None,
+            base_vector=base_vector if src == "constant" else None,
+            method=method,
+            m=mm,
+        )
+
+    scorers = {name: build(cons, name) for name in methods}
+    q_scorer = ProtectedLM([cons[1]], tok, method="none") if len(cons) > 1 else None
+    refs: dict[str, Scorer] = {}
+    p0 = M.load_model(reference, dtype=dtype) if reference is not None else None
+
+    def reference_of(name: str) -> Scorer | None:
+        if name not in refs:
+            if p0 is not None:
+                refs[name] = build([p0, *cons[1:]], name)
+            elif q_scorer is not None:
+                refs[name] = q_scorer
+            else:
+                return None
+        return refs[name]
+
+    return scorers, reference_of, q_scorer

@@ -1,0 +1,139 @@
+"""``scpdr bounds BUNDLE --out DIR``: per-position k_x / t_x / v_x distributions of a bundle.
+
+Typical tokens: every position of the prompts in ``--prompts`` (a text file, one prompt per line,
+or JSONL/CSV records) or of the target partition's training texts (``--data`` or the bundle's
+``extra.partitions``). Rare tokens: the secret words of the inserted canaries, when the data has
+canaries. ``v_x`` needs ``--reference`` (p0, trained without the targets, Theorem 4.5).
+
+Writes ``DIR/results.json`` (rows ``attack="bounds"``, metrics ``k_x_p99``, ``t_x_rare_mean``,
+...), ``DIR/distributions.json`` (``{corpus: {quantity: {method: values}}}``, the report's input)
+and ``DIR/bounds_hist.png`` (log-scale histograms).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+_DEFAULT_METHODS = "cp-delta,cp-kl,cp-delta-r,scp-delta-r-c,scp-delta-r-b"
+
+
+def bounds(
+    bundle: Path = typer.Argument(..., help="Bundle directory (scpdr.json)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory."),
+    methods: str = typer.Option(
+        _DEFAULT_METHODS,
+        "--methods",
+        help="Comma-separated: none, cp-delta, cp-kl, cp-delta-r, scp-delta, scp-delta-r-b, "
+        "scp-delta-r-c.",
+    ),
+    prompts: Path | None = typer.Option(
+        None, "--prompts", help="Text file (one prompt per line) or JSONL/CSV records."
+    ),
+    data: Path | None = typer.Option(
+        None, "--data", help="Partition directory (default: the bundle's extra.partitions)."
+    ),
+    corpus: str | None = typer.Option(None, "--corpus", help="Corpus name in the rows."),
+    reference: str | None = typer.Option(
+        None, "--reference", help="Model ref of p0 for v_x (Theorem 4.5); without it no v_x."
+    ),
+    n: int = typer.Option(32, "--n", help="Prompts / training examples used."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens per prompt."),
+    m: int | None = typer.Option(
+        None, "--m", help="Smoothing parameter m (default: the bundle's)."
+    ),
+    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per scoring batch."),
+) -> None:
+    """Distributions of the NAF bound k_x and the LiRA bounds t_x, v_x on real prompts."""
+    import logging
+
+    from scpdr import models as M
+    from scpdr.attacks.bounds_analysis import (
+        bound_distributions,
+        plot_bound_histograms,
+        split_bound_method,
+    )
+    from scpdr.attacks.results import save_results
+    from scpdr.attacks.runner import EvalData
+    from scpdr.attacks.scorer import encode
+    from scpdr.errors import ConfigError
+    from scpdr.io import atomic_write_json
+    from scpdr.protected import ProtectedLM
+
+    log = logging.getLogger(__name__)
+    method_list = [x.strip() for x in methods.split(",") if x.strip()]
+    specs = {name: split_bound_method(name) for name in method_list}
+    manifest = M.read_bundle(bundle)
+    use_base = manifest.base is not None
+    if not use_base and any(src == "model" for _, src in specs.values()):
+        raise ConfigError(f"bundle {bundle} has no base model: drop the '-b' methods")
+    scorer = ProtectedLM.from_bundle(
+        bundle, method="scp-delta-r", m=m, base="model" if use_base else "constant"
+    )
+    base_vector = None
+    if any(src == "constant" for _, src in specs.values()):
+        base_vector = M.load_constant_base(bundle, manifest)
+        if base_vector is None:
+            raise ConfigError(
+                f"bundle {bundle} stores no constant base vector: drop the '-c' methods"
+            )
+    ref_scorer = None
+    if reference is not None:
+        ref_scorer = ProtectedLM.from_model(M.load_model(reference), scorer.tokenizer)
+
+    canaries, space = [], None
+    name = corpus or (manifest.extra.get("dataset") or {}).get("name") or "prompts"
+    if prompts is not None:
+        if prompts.suffix in (".jsonl", ".csv"):
+            from scpdr.data import load_records
+
+            typical = [r.text for r in load_records(prompts)]
+        else:
+            typical = [ln for ln in prompts.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    else:
+        if data is None:
+            rel = manifest.extra.get("partitions")
+            if not rel:
+                raise ConfigError(
+                    f"bundle {bundle} records no data (extra.partitions): pass --prompts FILE or "
+                    "--data DIR"
+                )
+            data = Path(bundle) / rel
+        ed = EvalData.from_partitions(data, corpus=corpus)
+        typical, name, space = ed.train, ed.corpus, ed.canary_space
+        canaries = [c for c in ed.canaries if c.repetitions > 0]
+    typical = typical[:n]
+    if not typical:
+        raise ConfigError("no prompts to compute bounds on")
+    mm = scorer.m
+    common = dict(
+        methods=method_list,
+        m=mm,
+        ref_scorer=ref_scorer,
+        base_vector=base_vector,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+    )
+    dist = {"typical": bound_distributions(scorer, typical, **common)}
+    rows = dist["typical"].rows(corpus=name)
+    report_dists = dist["typical"].as_report_distributions()
+    if canaries and space is not None:
+        tok = scorer.tokenizer
+        seqs, starts = [], []
+        for c in canaries:
+            prefix = encode(tok, c.prefix)
+            secret = encode(tok, space.render(c.secret), add_special_tokens=False)
+            seqs.append(prefix + secret)
+            starts.append(len(prefix))  # the first secret token's index
+        dist["rare"] = bound_distributions(scorer, seqs, start=starts, **common)
+        rows += dist["rare"].rows(corpus=name, rare=True)
+        report_dists.update(dist["rare"].as_report_distributions(rare=True))
+    out.mkdir(parents=True, exist_ok=True)
+    save_results(rows, out / "results.json")
+    atomic_write_json(out / "distributions.json", {name: report_dists})
+    plot_bound_histograms(dist, out / "bounds_hist.png")
+    for r in rows:
+        if r.metric in ("k_x_p99", "k_x_rare_p99"):
+            log.info("%s %s: %.4g", r.method, r.metric, r.value)
+    typer.echo(str(out / "results.json"))

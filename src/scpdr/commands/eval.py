@@ -1,0 +1,138 @@
+"""``scpdr eval BUNDLE --attacks ... --methods ... --out DIR``: run attacks on a bundle's methods.
+
+Writes ``DIR/results.json`` (result rows ``{"method", "attack", "metric", "value", ...}``),
+``DIR/timings.json`` (wall time per method and attack) and, with LiRA, ``DIR/lira_roc.png`` and
+``DIR/roc.json``. The data (target partition, validation set, canaries) comes from ``--data``
+(a partition directory written by ``scpdr partition``/``scpdr train``) or from the bundle's
+manifest (``extra.partitions``, set by ``scpdr train``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+_DEFAULT_METHODS = "none,cp-delta,cp-kl,cp-fuse,cp-delta-r,scp-delta-r-c,scp-delta-r-b"
+
+
+def _split(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def eval_(
+    bundle: Path = typer.Argument(..., help="Bundle directory (scpdr.json)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory for results.json."),
+    attacks: str = typer.Option(
+        "pii,canary,tte,lira,utility",
+        "--attacks",
+        help="Comma-separated: canary, pii, tte, lira, utility.",
+    ),
+    methods: str = typer.Option(
+        _DEFAULT_METHODS,
+        "--methods",
+        help="Comma-separated result-row methods: none, cp-delta, cp-kl, cp-fuse, cp-delta-r, "
+        "scp-delta-r-b, scp-delta-r-c, scp-delta.",
+    ),
+    data: Path | None = typer.Option(
+        None, "--data", help="Partition directory (default: the bundle's extra.partitions)."
+    ),
+    corpus: str | None = typer.Option(None, "--corpus", help="Corpus name in the result rows."),
+    target: int | None = typer.Option(
+        None, "--target", help="Attacked partition (default: the canaries' partition, else 0)."
+    ),
+    reference: str | None = typer.Option(
+        None,
+        "--reference",
+        help="Model ref of p0 (trained without the LiRA members) for LiRA's reference CP(p0, q); "
+        "default: q alone (constituent 1).",
+    ),
+    members: Path | None = typer.Option(
+        None, "--members", help="JSONL/CSV records: LiRA members (default: the target partition)."
+    ),
+    m: int | None = typer.Option(
+        None, "--m", help="Smoothing parameter m (default: the bundle's)."
+    ),
+    n_reference: int = typer.Option(
+        10_000, "--n-reference", help="Random canary candidates for the exposure extrapolation."
+    ),
+    pii_n: int | None = typer.Option(None, "--pii-n", help="Names attacked (default: all)."),
+    tte_n: int | None = typer.Option(64, "--tte-n", help="Training examples for TTE."),
+    q_fails: bool = typer.Option(
+        False, "--q-fails", help="Also TTE restricted to tokens q (constituent 1) fails to predict."
+    ),
+    lira_n: int | None = typer.Option(None, "--lira-n", help="Members and non-members each."),
+    utility_n: int | None = typer.Option(None, "--utility-n", help="Validation examples."),
+    max_tokens: int = typer.Option(
+        256, "--max-tokens", help="Tokens per example (TTE, LiRA, utility)."
+    ),
+    batch_size: int = typer.Option(16, "--batch-size", help="Sequences per scoring batch."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the canary reference sample."),
+) -> None:
+    """Run attacks against the methods of a bundle and write DIR/results.json."""
+    import logging
+
+    from scpdr.attacks.lira import plot_roc
+    from scpdr.attacks.results import save_results
+    from scpdr.attacks.runner import (
+        ATTACKS,
+        EvalData,
+        EvalOptions,
+        load_bundle_scorers,
+        resolve_method,
+        run_eval,
+    )
+    from scpdr.errors import ConfigError
+    from scpdr.io import atomic_write_json
+    from scpdr.models import read_bundle
+
+    log = logging.getLogger(__name__)
+    attack_list = _split(attacks)
+    bad = [a for a in attack_list if a not in ATTACKS]
+    if bad:
+        raise ConfigError(f"unknown attack(s) {bad}; known: {', '.join(ATTACKS)}")
+    method_list = _split(methods)
+    for name in method_list:
+        resolve_method(name)
+    manifest = read_bundle(bundle)
+    if data is None:
+        rel = manifest.extra.get("partitions")
+        if not rel:
+            raise ConfigError(
+                f"bundle {bundle} does not say where its data is (no extra.partitions); pass "
+                "--data DIR, the partition directory written by `scpdr partition`"
+            )
+        data = Path(bundle) / rel
+    dataset_name = (manifest.extra.get("dataset") or {}).get("name")
+    eval_data = EvalData.from_partitions(data, target=target, corpus=corpus or dataset_name)
+    if members is not None:
+        from scpdr.data import load_records
+
+        eval_data.members = [r.text for r in load_records(members)]
+    scorers, reference_of, q_scorer = load_bundle_scorers(
+        bundle, method_list, m=m, reference=reference
+    )
+    options = EvalOptions(
+        n_reference=n_reference,
+        batch_size=batch_size,
+        pii_n=pii_n,
+        tte_n=tte_n,
+        tte_max_tokens=max_tokens,
+        tte_q_fails=q_fails,
+        lira_n=lira_n,
+        lira_max_tokens=max_tokens,
+        utility_n=utility_n,
+        utility_max_tokens=max_tokens,
+        seed=seed,
+    )
+    report = run_eval(
+        scorers, eval_data, attack_list, options=options, reference=reference_of, q_scorer=q_scorer
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    save_results(report.rows, out / "results.json")
+    atomic_write_json(out / "timings.json", report.timings)
+    if report.lira:
+        plot_roc(report.lira, out / "lira_roc.png")
+        atomic_write_json(out / "roc.json", {eval_data.corpus: report.roc_curves()})
+    log.info("wrote %d result rows to %s", len(report.rows), out / "results.json")
+    typer.echo(str(out / "results.json"))

@@ -1,0 +1,259 @@
+"""The attacks on real ProtectedLMs over a tiny bundle (real tokenizer, random tiny models) and the
+CLI commands end to end: padding invariance, agreement with the runtime's own certificates, every
+attack producing well-formed rows."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from scpdr.attacks.bounds_analysis import bound_distributions
+from scpdr.attacks.results import load_results
+from scpdr.attacks.runner import EvalData, EvalOptions, load_bundle_scorers, run_eval
+from scpdr.attacks.scorer import (
+    batched_greedy,
+    batched_next_token,
+    batched_token_logprobs,
+    encode,
+)
+from scpdr.cli import main
+
+METHODS = ["none", "cp-delta-r", "scp-delta-r-b", "scp-delta-r-c"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from scpdr.data import (
+        CanaryConfig,
+        make_canaries,
+        names2ids,
+        partition_records,
+        save_partitions,
+    )
+    from scpdr.testing import make_tiny_bundle
+
+    root = tmp_path_factory.mktemp("attacks-world")
+    corpus = names2ids(n_train=6, n_val=3, seed=0)
+    reg = make_canaries(CanaryConfig(n_per_repetition=2, repetitions=(3,), partition=0, seed=0))
+    pset = partition_records(
+        corpus.train,
+        k=2,
+        seed=0,
+        canaries=reg,
+        validation=corpus.validation,
+        dataset={"name": "names2ids"},
+    )
+    parts = save_partitions(root / "parts", pset)
+    bundle = make_tiny_bundle(root / "bundle", seed=0)
+    scorers, reference_of, q = load_bundle_scorers(bundle, METHODS)
+    return {
+        "root": root,
+        "parts": parts,
+        "bundle": bundle,
+        "scorers": scorers,
+        "reference_of": reference_of,
+        "q": q,
+    }
+
+
+TEXTS = [
+    "Name: Ada Lovelace, ID: 0123456789",
+    "The secret words are: alpha beta",
+    "def f(x): return x",
+]
+
+
+def test_batching_and_padding_do_not_change_scores(world):
+    sc = world["scorers"]["scp-delta-r-b"]
+    seqs = [encode(sc.tokenizer, t) for t in TEXTS]
+    one = batched_token_logprobs(sc, seqs, batch_size=1)
+    many = batched_token_logprobs(sc, seqs, batch_size=3)
+    for a, b in zip(one, many, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    ids1, lp1 = batched_next_token(sc, seqs, batch_size=1)
+    ids3, lp3 = batched_next_token(sc, seqs, batch_size=3)
+    assert ids1.tolist() == ids3.tolist()
+    torch.testing.assert_close(lp1, lp3, rtol=1e-4, atol=1e-4)
+    # the greedy path agrees with the runtime's own argmax and with the true-token scores
+    g = batched_greedy(sc, seqs, batch_size=3)
+    for s, (g_ids, g_lp, tl), ref in zip(seqs, g, one, strict=True):
+        out = sc.score(torch.tensor([s]), greedy=True)
+        assert g_ids.tolist() == out.greedy[0].tolist()
+        torch.testing.assert_close(tl, ref, rtol=1e-4, atol=1e-4)
+        assert (g_lp >= tl - 1e-5).all()
+
+
+def test_bound_distributions_match_the_runtime_certificates(world):
+    sc = {name: world["scorers"][name] for name in ("cp-delta-r", "scp-delta-r-b", "scp-delta-r-c")}
+    comp_scorer = sc["scp-delta-r-b"]  # runs the constituents and the base model
+    seqs = [encode(comp_scorer.tokenizer, t) for t in TEXTS]
+    dist = bound_distributions(
+        comp_scorer,
+        seqs,
+        methods=list(sc),
+        ref_scorer=world["q"],
+        base_vector=sc["scp-delta-r-c"].base_vector,
+        batch_size=2,
+    )
+    for name, scorer in sc.items():
+        want = []
+        for s in sorted(seqs, key=len):  # bound_distributions visits sequences by length
+            want.append(scorer.score(torch.tensor([s]), k_x=True).k_x[0])
+        np.testing.assert_allclose(
+            dist.values["k_x"][name], torch.cat(want).numpy(), rtol=1e-3, atol=1e-5
+        )
+    # SCP smooths the RPDs: its k_x is far below CP-Δr's on the same positions
+    assert np.percentile(dist.values["k_x"]["scp-delta-r-b"], 99) < np.percentile(
+        dist.values["k_x"]["cp-delta-r"], 99
+    )
+    assert set(dist.values["v_x"]) == set(sc)
+    rows = dist.rows(corpus="toy")
+    assert any(r.metric == "k_x_p99" and r.method == "scp-delta-r-c" for r in rows)
+
+
+def test_every_attack_runs_on_protected_scorers(world):
+    data = EvalData.from_partitions(world["parts"])
+    assert data.corpus == "names2ids" and data.pii and data.pii_val
+    assert {c.repetitions for c in data.canaries} == {0, 3}
+    opts = EvalOptions(
+        n_reference=100,
+        batch_size=8,
+        tte_n=2,
+        tte_max_tokens=16,
+        tte_q_fails=True,
+        lira_n=2,
+        lira_max_tokens=16,
+        utility_n=2,
+        utility_max_tokens=16,
+    )
+    scorers = {m: world["scorers"][m] for m in ("none", "scp-delta-r-b")}
+    rep = run_eval(
+        scorers,
+        data,
+        ["pii", "tte", "lira", "utility"],
+        options=opts,
+        reference=world["reference_of"],
+        q_scorer=world["q"],
+    )
+    # the canary attack scores n_reference candidates per prefix: once, on the cheapest scorer
+    can = run_eval({"none": scorers["none"]}, data, ["canary"], options=opts)
+    rep.rows += can.rows
+    rep.timings += can.timings
+    got = {(r.method, r.attack, r.metric) for r in rep.rows}
+    assert {("none", "canary", "exposure_p95"), ("none", "canary", "baseline_exposure_p95")} <= got
+    for m in ("none", "scp-delta-r-b"):
+        for attack, metric in [
+            ("pii", "ael"),
+            ("pii", "fer"),
+            ("tte", "auc"),
+            ("tte", "acc_q_fails"),
+            ("lira", "auc"),
+            ("lira", "tpr@0.01fpr"),
+            ("utility", "nll"),
+        ]:
+            assert (m, attack, metric) in got, (m, attack, metric)
+    for attack, metric in [("pii", "ael"), ("canary", "exposure_mean"), ("tte", "auc")]:
+        assert ("none-val", attack, metric) in got
+    for r in rep.rows:
+        assert r.value is not None and (np.isfinite(r.value) or r.attack == "tte")
+    assert {t["attack"] for t in rep.timings} == {"canary", "pii", "tte", "lira", "utility"}
+    assert set(rep.roc_curves()) == {"none", "scp-delta-r-b"}
+
+
+@pytest.mark.parametrize("cmd", ["eval", "bounds", "prop-bounds"])
+def test_help(cmd, capsys):
+    assert main([cmd, "--help"]) == 0
+    assert "--out" in capsys.readouterr().out
+
+
+def test_eval_cli(world, tmp_path):
+    out = tmp_path / "ev"
+    rc = main(
+        [
+            "eval",
+            str(world["bundle"]),
+            "--data",
+            str(world["parts"]),
+            "--out",
+            str(out),
+            "--attacks",
+            "pii,lira,utility",
+            "--methods",
+            "none,cp-delta-r",
+            "--lira-n",
+            "2",
+            "--utility-n",
+            "2",
+            "--max-tokens",
+            "16",
+            "--batch-size",
+            "8",
+        ]
+    )
+    assert rc == 0
+    rows = load_results(out / "results.json")
+    assert {r.method for r in rows} == {"none", "none-val", "cp-delta-r"}
+    assert json.loads((out / "timings.json").read_text())[0]["seconds"] > 0
+    assert (out / "lira_roc.png").stat().st_size > 0
+    assert set(json.loads((out / "roc.json").read_text())["names2ids"]) == {"none", "cp-delta-r"}
+    assert main(["eval", str(world["bundle"]), "--out", str(out), "--attacks", "nope"]) != 0
+
+
+def test_bounds_cli(world, tmp_path):
+    out = tmp_path / "bd"
+    ref = str(world["bundle"] / "constituent-1")
+    rc = main(
+        [
+            "bounds",
+            str(world["bundle"]),
+            "--data",
+            str(world["parts"]),
+            "--out",
+            str(out),
+            "--reference",
+            ref,
+            "--n",
+            "2",
+            "--max-tokens",
+            "16",
+            "--methods",
+            "cp-delta,cp-delta-r,scp-delta-r-b,scp-delta-r-c",
+        ]
+    )
+    assert rc == 0
+    dists = json.loads((out / "distributions.json").read_text())["names2ids"]
+    assert {"k_x", "t_x", "v_x", "k_x_rare", "v_x_rare"} <= set(dists)
+    assert len(dists["v_x_rare"]["scp-delta-r-b"]) > 0
+    metrics = {r.metric for r in load_results(out / "results.json")}
+    assert {"k_x_p99", "v_x_rare_p99"} <= metrics
+    assert (out / "bounds_hist.png").stat().st_size > 0
+
+
+def test_prop_bounds_cli(tmp_path):
+    rc = main(
+        [
+            "prop-bounds",
+            "--out",
+            str(tmp_path),
+            "--n",
+            "400",
+            "--m",
+            "5",
+            "--trials",
+            "4",
+            "--p1",
+            "0.2,0.8",
+        ]
+    )
+    assert rc == 0
+    d = json.loads((tmp_path / "prop_bounds.json").read_text())
+    assert d["p1_values"] == [0.2, 0.8] and set(d["schemes"]) == {
+        "uniform",
+        "smoothed",
+        "maybe_smoothed",
+        "not_smoothed",
+    }
+    assert (tmp_path / "prop_bounds.png").read_bytes()[:4] == b"\x89PNG"
