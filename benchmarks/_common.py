@@ -38,21 +38,30 @@ def time_call(fn: Callable[[], Any], *, clock: str = "wall") -> float:
     return now() - t0
 
 
+Timed = Callable[[], Any] | tuple[Callable[[], Any], Callable[[], Any]]
+
+
 def interleaved_medians(
-    fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 3, clock: str = "wall"
+    fns: dict[str, Timed], *, repeats: int, warmup: int = 3, clock: str = "wall"
 ) -> dict[str, float]:
     """Median seconds per call of each function, measured round-robin.
 
     One round calls every function once, so all of them see the same machine load (the CPU is
-    shared); ``warmup`` rounds are run first and discarded. ``clock="cpu"`` measures this
-    thread's CPU time (meaningful with one torch thread only).
+    shared); ``warmup`` rounds are run first and discarded. A value may be ``(prepare, fn)``:
+    ``prepare`` runs untimed right before each timed call of ``fn``. ``clock="cpu"`` measures
+    this thread's CPU time (meaningful with one torch thread only).
     """
+    pairs = {name: f if isinstance(f, tuple) else (None, f) for name, f in fns.items()}
     for _ in range(warmup):
-        for fn in fns.values():
+        for prepare, fn in pairs.values():
+            if prepare is not None:
+                prepare()
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[str, list[float]] = {name: [] for name in pairs}
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name, (prepare, fn) in pairs.items():
+            if prepare is not None:
+                prepare()
             samples[name].append(time_call(fn, clock=clock))
     return {name: statistics.median(ts) for name, ts in samples.items()}
 

@@ -240,6 +240,24 @@ def test_aggregate_with_components_is_aggregate_plus_the_naf_distributions(metho
     torch.testing.assert_close(comps, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("base_shape", ["full", "vector", "one-row"])
+def test_scp_delta_r_chunking_gives_the_same_rows(monkeypatch, base_shape):
+    x, base = make_logits(13, 2, (3, 2), 512, 3.0, spikes=2)
+    base = {"full": base, "vector": base[0, 0], "one-row": base[0, :1]}[base_shape]
+    whole = naf.aggregate("scp-delta-r", x, base=base, m=7)
+    whole_c = naf.aggregate_with_components("scp-delta-r", x, base=base, m=7)
+    for rows in (1, 4):
+        monkeypatch.setattr(naf, "SCP_CHUNK_ELEMENTS", rows * 2 * 512)
+        torch.testing.assert_close(naf.aggregate("scp-delta-r", x, base=base, m=7), whole)
+        for a, b in zip(
+            naf.aggregate_with_components("scp-delta-r", x, base=base, m=7), whole_c, strict=True
+        ):
+            torch.testing.assert_close(a, b)
+    want, gap = ref_batch("scp-delta-r", x, base, 7)
+    assert gap > 1e-4
+    np.testing.assert_allclose(whole.double().numpy(), want, atol=5e-5, rtol=0)
+
+
 def test_none_returns_constituent_zero_and_accepts_k1():
     x, _ = make_logits(0, 2, (3,), 50, 2.0)
     out = naf.aggregate("none", x[:1])

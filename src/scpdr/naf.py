@@ -45,6 +45,7 @@ __all__ = [
     "DEFAULT_M",
     "LOG_FLOOR",
     "METHODS",
+    "SCP_CHUNK_ELEMENTS",
     "SCP_METHODS",
     "SCRATCH_MAX_BYTES",
     "aggregate",
@@ -83,6 +84,9 @@ _PROB_FLOOR = math.exp(LOG_FLOOR)
 #: On CPU, the rules' large intermediates (never their outputs) live in one cached per-thread
 #: buffer of at most this many bytes; see ``_scratch``.
 SCRATCH_MAX_BYTES = 64 << 20
+#: SCP-Δr works through the batch in chunks of at most this many (constituent x row x vocab)
+#: elements (21 rows for K = 2, V = 49152), which bounds its intermediates.
+SCP_CHUNK_ELEMENTS = 1 << 21
 #: Methods that smooth against a base model and therefore need ``base`` and ``m``.
 SCP_METHODS = frozenset({"scp-delta-r", "scp-delta"})
 
@@ -237,27 +241,31 @@ def _floored(x: Tensor, *, out: Tensor | None = None) -> Tensor:
 
 def _floored_pair(
     x: Tensor, *, out_y: Tensor | None = None, out_p: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """``(y, p)`` with ``y = _floored(x)`` and ``p = exp(y) = max(softmax(x), e^LOG_FLOOR)``.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y - log_p_max, log_p_max, p)`` with ``y = _floored(x)``, ``p = exp(y)``, in one
+    exponential pass.
 
-    One exponential pass for both (``softmax``): ``log_softmax(x) = (x - max x) + log max p``,
-    since the largest probability is ``1 / sum exp(x - max x)``. About 25% faster per row than
-    ``log_softmax`` plus ``softmax``. ``x`` float32; results new tensors or ``out_y``/``out_p``.
+    ``p = max(softmax(x), e^LOG_FLOOR)``; ``log_p_max = log max softmax(x) = -log sum exp(x - max
+    x)`` ``(..., 1)``; and ``y - log_p_max = max(x - max x, LOG_FLOOR - log_p_max)``, the floored
+    log-probs up to that per-row shift (which RPDs and a final ``log_softmax`` ignore). Faster
+    per row than ``log_softmax`` plus ``softmax``. ``x`` float32; results are new tensors or
+    ``out_y``/``out_p``.
     """
     p = torch.softmax(x, dim=-1) if out_p is None else torch.softmax(x, dim=-1, out=out_p)
+    log_p_max = p.amax(dim=-1, keepdim=True).log_()  # (argmax is 15x slower than amax)
     x_max = x.amax(dim=-1, keepdim=True)
-    log_p_max = p.amax(dim=-1, keepdim=True).log_()  # -log sum exp(x - max x)
     y = torch.sub(x, x_max) if out_y is None else torch.sub(x, x_max, out=out_y)
-    y.add_(log_p_max).clamp_min_(LOG_FLOOR)
-    return y, p.clamp_min_(_PROB_FLOOR)
+    y.clamp_min_(LOG_FLOOR - log_p_max)
+    return y, log_p_max, p.clamp_min_(_PROB_FLOOR)
 
 
 def _normalized(x: Tensor, *, scratch: bool = False) -> Tensor:
     """:func:`normalize` without validation (``x`` float32); ``scratch``: the result is a scratch
     view (only for callers that reduce it to a new tensor before returning)."""
     (buf_p, *buf_y) = _scratch([x.shape, x.shape] if scratch else [x.shape], x)
-    y, p = _floored_pair(x, out_y=buf_y[0] if scratch else None, out_p=buf_p)
-    return y.sub_(p.sum(dim=-1, keepdim=True).log_())  # log Z >= 0: the floor's extra mass
+    y, log_p_max, p = _floored_pair(x, out_y=buf_y[0] if scratch else None, out_p=buf_p)
+    log_z = p.sum(dim=-1, keepdim=True).log_()  # >= 0: the floor's extra mass
+    return y.add_(log_p_max.sub_(log_z))
 
 
 def normalize(x: Tensor) -> Tensor:
@@ -330,7 +338,7 @@ def _smoothing(x: Tensor, base: Tensor, m: int) -> _Smoothing:
     """
     vocab = x.shape[-1]
     buf_y, buf_p, buf_b = _scratch([x.shape, x.shape, base.shape], x, base)
-    y, p = _floored_pair(x, out_y=buf_y, out_p=buf_p)  # (K, *batch, V) each
+    y, _, p = _floored_pair(x, out_y=buf_y, out_p=buf_p)  # (K, *batch, V), y up to a shift
     y_base = _floored(base, out=buf_b)  # base's own shape
     mu_base = y_base.mean(dim=-1, keepdim=True)
     shift = y.mean(dim=-1, keepdim=True).sub_(mu_base)  # (K, *batch, 1): log tp - log tb
@@ -482,11 +490,40 @@ def scp_delta_r(
 
     Returns ``log r``: ``Tensor[*batch, V]``.
     """
-    x, sm = _checked_smoothing(logps, base, m, "scp-delta-r", min_k=2)
-    return _scp_delta_r_sparse(sm, tuple(x.shape[1:]))
+    return _scp_delta_r(logps, base, m, components=False)[0]
 
 
-def _scp_delta_r_sparse(sm: _Smoothing, shape: tuple[int, ...]) -> Tensor:
+def _scp_delta_r(
+    logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int, *, components: bool
+) -> tuple[Tensor, Tensor | None]:
+    """SCP-Δr and optionally its smoothed components, over chunks of the batch.
+
+    Chunks of at most :data:`SCP_CHUNK_ELEMENTS` constituent elements bound the intermediates
+    (so they fit the scratch buffer at any batch size). Every row is computed the same way
+    whatever the chunking.
+    """
+    x = _check_logps(logps, "scp-delta-r", min_k=2)
+    b = _check_base(base, x, "scp-delta-r")
+    m = _check_m(m, x.shape[-1], "scp-delta-r")
+    k, shape, vocab = x.shape[0], tuple(x.shape[1:]), x.shape[-1]
+    n = math.prod(shape[:-1])
+    xf = x.reshape(k, n, vocab)  # (K, N, V)
+    bf = b.reshape(vocab) if b.numel() == vocab else b.expand(shape).reshape(n, vocab)
+    out = torch.empty((n, vocab), device=x.device)
+    comps = torch.empty((k, n, vocab), device=x.device) if components else None
+    rows = max(1, SCP_CHUNK_ELEMENTS // (k * vocab))
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        sm = _smoothing(xf[:, start:stop], bf if bf.ndim == 1 else bf[start:stop], m)
+        if comps is not None:
+            torch.log_softmax(_dense(sm), dim=-1, out=comps[:, start:stop])
+        _scp_delta_r_sparse(sm, (stop - start, vocab), out=out[start:stop])
+    return out.reshape(shape), None if comps is None else comps.reshape(k, *shape)
+
+
+def _scp_delta_r_sparse(
+    sm: _Smoothing, shape: tuple[int, ...], *, out: Tensor | None = None
+) -> Tensor:
     """SCP-Δr from the smoothing pieces (see :func:`scp_delta_r`); ``shape = (*batch, V)``.
 
     Consumes ``sm.y_base`` (modified in place when it has the full shape).
@@ -501,7 +538,9 @@ def _scp_delta_r_sparse(sm: _Smoothing, shape: tuple[int, ...]) -> Tensor:
     if tuple(y_base.shape) != shape:  # a broadcast base ('c' variant)
         y_base = y_base.expand(shape).contiguous()
     u = y_base.scatter_(-1, union, y_base.gather(-1, union).add_(g))  # (*batch, V), in place
-    return torch.log_softmax(u, dim=-1)
+    if out is None:
+        return torch.log_softmax(u, dim=-1)
+    return torch.log_softmax(u, dim=-1, out=out)
 
 
 def scp_delta(
@@ -537,10 +576,12 @@ def aggregate_with_components(
         k_min = 1 if method == "none" else 2
         comps = _normalized(_check_logps(logps, method, min_k=k_min))
         return fn(logps, base=base, m=m), comps
-    x, sm = _checked_smoothing(logps, base, m, method, min_k=2)
-    comps = torch.log_softmax(_dense(sm), dim=-1)  # (K, *batch, V)
     if method == "scp-delta-r":
-        return _scp_delta_r_sparse(sm, tuple(x.shape[1:])), comps
+        log_r, comps = _scp_delta_r(logps, base, m, components=True)
+        assert comps is not None
+        return log_r, comps
+    _, sm = _checked_smoothing(logps, base, m, method, min_k=2)
+    comps = torch.log_softmax(_dense(sm), dim=-1)  # (K, *batch, V)
     return torch.log_softmax(comps.amin(dim=0), dim=-1), comps
 
 
