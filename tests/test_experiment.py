@@ -359,3 +359,20 @@ def test_tiny_experiment_cache_and_selective_rerun(tiny_run, tmp_path):
         "report",
     ]
     assert len(third.cached) == len(res.outcomes) - 3
+
+
+def test_demo_checks_on_hand_made_rows():
+    from scpdr.commands.demo import demo_checks
+
+    rows = [
+        {"method": "none", "attack": "pii", "metric": "fer", "value": 0.75},
+        {"method": "scp-delta-r-b", "attack": "pii", "metric": "fer", "value": 0.0},
+        {"method": "none", "attack": "utility", "metric": "accuracy", "value": 0.500},
+        {"method": "scp-delta-r-b", "attack": "utility", "metric": "accuracy", "value": 0.470},
+        {"method": "scp-delta-r-b", "attack": "pii", "metric": "fer", "value": 0.9, "sweep": "m", "sweep_value": 1000},
+    ]
+    lines = demo_checks(rows)
+    assert len(lines) == 3
+    assert lines[0].startswith("[green]✓") and "75%" in lines[0]
+    assert lines[1].startswith("[green]✓") and "0%" in lines[1]  # the sweep row is ignored
+    assert lines[2].startswith("[red]✗")  # 0.03 apart

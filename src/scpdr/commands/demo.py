@@ -4,6 +4,7 @@ canaries on the embedded SmolLM2-135M: No CP leaks the IDs, SCP-Δr-b does not."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -16,9 +17,57 @@ def demo(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Rich progress display."),
 ) -> None:
     """Run the demo experiment (cached: a second run takes seconds) and print its main table."""
+    from rich.console import Console
+
     from scpdr.commands.experiment import run_and_print
 
-    run_and_print(config or demo_config_path(), out, force=[], progress=progress)
+    result = run_and_print(config or demo_config_path(), out, force=[], progress=progress)
+    console = Console()
+    for line in demo_checks(result.rows):
+        console.print(line)
+
+
+def demo_checks(rows: list[dict[str, Any]]) -> list[str]:
+    """The demo's claims, checked on its rows: No CP extracts ≥ half of the IDs in full,
+    SCP-Δr-b ≤ 5%, and SCP-Δr-b's next-token accuracy is within 0.02 of No CP's."""
+
+    def value(method: str, attack: str, metrics: tuple[str, ...]) -> float | None:
+        for r in rows:
+            if (
+                r.get("sweep") is None
+                and r.get("method") == method
+                and r.get("attack") == attack
+                and r.get("metric") in metrics
+                and r.get("value") is not None
+            ):
+                return float(r["value"])
+        return None
+
+    fer_none = value("none", "pii", ("fer",))
+    fer_scp = value("scp-delta-r-b", "pii", ("fer",))
+    acc_none = value("none", "utility", ("accuracy", "acc"))
+    acc_scp = value("scp-delta-r-b", "utility", ("accuracy", "acc"))
+    checks = []
+
+    def line(ok: bool | None, text: str) -> str:
+        mark = "[green]✓[/green]" if ok else ("[red]✗[/red]" if ok is False else "[dim]?[/dim]")
+        return f"{mark} {text}"
+
+    if fer_none is not None:
+        checks.append(
+            line(fer_none >= 0.5, f"No CP extracts {fer_none:.0%} of the IDs in full (≥ 50%)")
+        )
+    if fer_scp is not None:
+        checks.append(line(fer_scp <= 0.05, f"SCP-Δr-b extracts {fer_scp:.0%} (≤ 5%)"))
+    if acc_none is not None and acc_scp is not None:
+        d = acc_scp - acc_none
+        checks.append(
+            line(
+                abs(d) <= 0.02,
+                f"utility: next-token accuracy {acc_scp:.3f} vs No CP {acc_none:.3f} (within 0.02)",
+            )
+        )
+    return checks
 
 
 def demo_config_path() -> Path:

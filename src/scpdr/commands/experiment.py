@@ -40,7 +40,7 @@ def experiment(
 
 def run_and_print(
     config: Path, out: Path, *, force: list[str], progress: bool, keep_stale: bool = False
-) -> None:
+):  # type: ignore[no-untyped-def]
     """Run ``config`` into ``out`` and print the main table (shared with ``scpdr demo``)."""
     import time
 
@@ -62,6 +62,7 @@ def run_and_print(
         f"{len(result.ran)} stage(s) ran, {len(result.cached)} cached, {seconds:.0f} s. "
         f"Report: {result.report_md} and {result.report_html}; rows: {result.results_json}"
     )
+    return result
 
 
 def _print_plan(cfg, out: Path) -> None:  # type: ignore[no-untyped-def]
