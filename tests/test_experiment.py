@@ -369,10 +369,26 @@ def test_demo_checks_on_hand_made_rows():
         {"method": "scp-delta-r-b", "attack": "pii", "metric": "fer", "value": 0.0},
         {"method": "none", "attack": "utility", "metric": "accuracy", "value": 0.500},
         {"method": "scp-delta-r-b", "attack": "utility", "metric": "accuracy", "value": 0.470},
-        {"method": "scp-delta-r-b", "attack": "pii", "metric": "fer", "value": 0.9, "sweep": "m", "sweep_value": 1000},
+        {
+            "method": "scp-delta-r-b",
+            "attack": "pii",
+            "metric": "fer",
+            "value": 0.9,
+            "sweep": "m",
+            "sweep_value": 1000,
+        },
     ]
     lines = demo_checks(rows)
     assert len(lines) == 3
     assert lines[0].startswith("[green]✓") and "75%" in lines[0]
     assert lines[1].startswith("[green]✓") and "0%" in lines[1]  # the sweep row is ignored
     assert lines[2].startswith("[red]✗")  # 0.03 apart
+
+
+def test_missing_base_model_is_a_clear_error(tmp_path):
+    from scpdr.experiment import run_experiment
+
+    cfg = validate_config(merged(tiny_dict(), {"base": str(tmp_path / "no-model")}))
+    with pytest.raises(ConfigError, match="base: model .* does not exist"):
+        run_experiment(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -1272,6 +1272,9 @@ def run_experiment(
     if not isinstance(config, ExperimentConfig):
         config_text = Path(config).read_text(encoding="utf-8")
         config = load_config(config)
+        if re.search(r"^extends\s*:", config_text, flags=re.MULTILINE):
+            config_text = None  # show the resolved config, not just the overrides
+    _check_base(config)
     out = Path(out)
     with _run_lock(out):
         stages, report = plan(config)
@@ -1307,6 +1310,16 @@ def run_experiment(
     )
 
 
+def _check_base(cfg: ExperimentConfig) -> None:
+    if cfg.base in ("embedded", "tiny"):
+        return
+    if not Path(cfg.base).expanduser().exists():
+        raise ConfigError(
+            f"base: model {cfg.base!r} does not exist; give an HF model directory or a .gguf file "
+            "(relative to the config file), or 'embedded' for SmolLM2-135M-Instruct"
+        )
+
+
 def _dump_yaml(cfg: ExperimentConfig) -> str:
     import yaml
 
@@ -1331,13 +1344,6 @@ def _publish(report_dir: Path, out: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # Stage implementations
 # --------------------------------------------------------------------------------------------
-
-
-def _corpus_cfg(ctx: StageContext, name: str) -> CorpusConfig:
-    for c in ctx.config.corpora:
-        if c.name == name:
-            return c
-    raise ScpdrError(f"corpus {name!r} is not in the config")  # pragma: no cover
 
 
 def _run_tiny_base(ctx: StageContext) -> None:
