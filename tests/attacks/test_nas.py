@@ -67,3 +67,18 @@ def test_nas_from_rows_by_hand():
 
 def test_constant_column_contributes_zero():
     assert nas({"x": {"k": 1.0}, "y": {"k": 1.0}}) == {"x": 0.0, "y": 0.0}
+
+
+def test_pooled_none_val_canary_row_joins_the_rep3_column():
+    def row(method, metric, value, **extra):
+        return ResultRow(method, "canary", metric, value, 1, None, "math", extra)
+
+    rows = [
+        row("none", "exposure_mean", 20.0, repetitions=3),
+        row("none", "exposure_mean", 25.0, repetitions=10),  # another count: not used
+        row("scp", "exposure_mean", 4.0, repetitions=3),
+        row("none-val", "exposure_mean", 2.0, repetitions=0),  # never-inserted canaries
+        row("ste", "exposure_mean", 0.1),
+    ]
+    scores, _ = nas_from_rows(rows)
+    assert scores == pytest.approx({"none": 1.0, "scp": 2 / 18, "none-val": 0.0})

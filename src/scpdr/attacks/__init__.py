@@ -11,10 +11,12 @@ method, or a single model (the "No CP" rows) — and uses only its teacher-force
 - ``lira``: offline LiRA membership inference (ROC AUC, TPR at low FPR, log-scale ROC).
 - ``utility``: next-token accuracy and NLL on held-out data.
 - ``nas``: the normalized attack score of §5.4.
-- ``bounds_analysis``: per-position k_x / t_x / v_x distributions on real prompts (Thms 2.1,
-  2.2, 4.1, 4.2).
+- ``bounds_analysis``: per-position k_x / t_x / v_x distributions on real prompts (Def. 2.1,
+  Thms. 2.3, 2.7, 4.4, 4.5).
 - ``sparps``: the Expected SpaRPS curve B(m) of Fig. 2a (Def. 3.4).
-- ``prop_bounds``: the App. D.4 synthetic illustration of Proposition 4.4.
+- ``prop_bounds``: the App. D.4 synthetic illustration of Proposition 4.8.
+- ``runner``: the data an evaluation needs, scorers from a bundle, every attack on every
+  method with timings (``scpdr eval``).
 
 Submodules import lazily: ``import scpdr.attacks`` loads nothing heavy.
 """
@@ -44,6 +46,14 @@ _EXPORTS = {
     "utility": "utility",
     "nas": "nas",
     "nas_from_rows": "nas",
+    "EvalData": "runner",
+    "EvalOptions": "runner",
+    "run_eval": "runner",
+    "load_bundle_scorers": "runner",
+    "bound_distributions": "bounds_analysis",
+    "expected_sparps_curve": "sparps",
+    "collect_next_token_logprobs": "sparps",
+    "prop_bounds_experiment": "prop_bounds",
 }
 
 __all__ = sorted(_EXPORTS)

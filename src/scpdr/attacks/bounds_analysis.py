@@ -1,4 +1,4 @@
-"""Bound distributions on real prompts (§4.1 Fig. 2b and Table 6 "k_x (99%)", §4.2 Fig. 3,
+"""Bound distributions on real prompts (§4.1 Fig. 2b, App. D.2 table "k_x (99%)", §4.2 Fig. 3,
 App. D.3 Fig. "t_x bounds").
 
 One teacher-forced pass of a ``ProtectedLM`` with ``score(..., components=True)`` gives the raw

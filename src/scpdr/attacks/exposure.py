@@ -1,5 +1,5 @@
 """Canary exposure (Carlini et al. 2019, "The Secret Sharer"), as the paper uses it (§5.3 "The
-canary method", App. C.4, Table "Canary attack results").
+canary method", App. D.5 and its table "Canary attack results").
 
 A canary is a fixed prefix followed by a secret of ``n_words`` random words drawn from a word
 list; the candidate space ``R`` is every such secret. With ``L(r) = -log Pr[r | prefix]`` (the
@@ -12,7 +12,7 @@ log-perplexity of the secret part only, teacher-forced given the prefix), the ex
 An exposure ``w`` means the canary is among the ``2^-w`` most likely candidates.
 
 - **Exact** when ``|R| <= enumerate_limit``: every candidate is scored.
-- **Extrapolated** otherwise (Carlini et al. §4.3): a skew-normal is fitted (``scipy``) to the
+- **Extrapolated** otherwise (Carlini et al. 2019): a skew-normal is fitted (``scipy``) to the
   log-perplexities of ``n_reference`` (default 10,000) sampled candidates and
   ``exposure(s) = -log2 CDF(L(s))``, clipped to ``[0, log2 |R|]``.
 

@@ -1,4 +1,4 @@
-"""LiRA membership inference (§4.2 "Likelihood ratio attack", Theorems 4.1/4.2, App. C.1).
+"""LiRA membership inference (§4.2 "Likelihood ratio attack", Theorems 4.4/4.5, App. C.1).
 
 The paper's bounds (``t_x``, ``v_x``) bound the likelihood ratio ``r1(y|x) / r0(y|x)`` of the
 target against a reference model trained without the targets; LiRA thresholds that ratio, which
@@ -131,7 +131,7 @@ def lira(
     batch_size: int = 16,
 ) -> LiRAResult:
     """Offline LiRA of ``target`` against ``reference`` (trained without the members; for a NAF
-    method the worst case is ``CP(p0, q)`` with ``p0`` trained without them, Theorem 4.2).
+    method the worst case is ``CP(p0, q)`` with ``p0`` trained without them, Theorem 4.5).
     ``statistic``: ``"mean"`` (per-token average log-ratio) or ``"sum"``."""
     if statistic not in ("mean", "sum"):
         raise ConfigError(f"statistic must be 'mean' or 'sum', got {statistic!r}")

@@ -98,8 +98,8 @@ def nas_from_rows(
 
     Canary columns use one repetition count: ``canary_repetitions``, else 3 (the paper's main
     setting) when present, else the largest — the choice the report's main table makes. A canary
-    row without ``repetitions`` (e.g. ``"none-val"``: never-inserted canaries) is that method's
-    value; ``baseline_*`` rows are not columns.
+    row without ``repetitions`` or with 0 (e.g. ``"none-val"``: never-inserted canaries) is that
+    method's value; ``baseline_*`` rows are not columns.
 
     Returns ``({method: NAS}, rows)`` with rows ``(method, "nas", "nas", value)``."""
     wanted = set(NAS_METRICS)
@@ -116,7 +116,8 @@ def nas_from_rows(
         attack, metric = _get(r, "attack"), _get(r, "metric")
         if attack == "canary":
             rep = _get(r, "repetitions")
-            if _get(r, "baseline") or (rep is not None and int(rep) != canary_repetitions):
+            # repetitions None or 0 (e.g. "none-val") is the method's one pooled value
+            if _get(r, "baseline") or (rep and int(rep) != canary_repetitions):
                 continue
         col = (attack, _get(r, "corpus"), metric)
         table.setdefault(str(_get(r, "method")), {})[col] = float(_get(r, "value"))

@@ -208,15 +208,16 @@ def run_eval(
     corpus = data.corpus
 
     def timed(method: str, attack: str, n: int, fn: Callable[[], list[ResultRow]]) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rows = fn()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         rep.rows.extend(rows)
         rep.timings.append(
             {
                 "method": method,
                 "attack": attack,
                 "seconds": dt,
+                "cpu_seconds": cpu,  # all threads of this process: robust on a shared machine
                 "examples": n,
                 "seconds_per_100": 100.0 * dt / n if n else None,
             }

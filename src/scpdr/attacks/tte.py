@@ -1,4 +1,4 @@
-"""Token-by-token extraction (TTE; §5.3 "Token-by-token extraction", Definition 4.3 "Black-box TDE
+"""Token-by-token extraction (TTE; §5.3 "Token-by-token extraction", Definition 4.2 "Black-box TDE
 Game", Fig. "Memorization effect").
 
 For every prefix ``x_{<=t}`` of a training example the adversary takes the greedy next token
