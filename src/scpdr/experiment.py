@@ -806,7 +806,7 @@ class StageRunner:
                 raise ScpdrError(f"stage {stage.name}: dependency {role} ({d.name}) is not done")
         advance(stage.name, "running", None)
         t0 = time.perf_counter()
-        logger.info("stage %s: running in %s", stage.name, partial)
+        logger.debug("stage %s: running in %s", stage.name, partial)
         stage.run(
             StageContext(stage=stage, dir=partial, deps=deps, config=self.config, runner=self)
         )
@@ -890,7 +890,7 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[..., None]]:
         TimeElapsedColumn,
     )
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, log_path=False)
     with Progress(
         SpinnerColumn(),
         TextColumn("[bold]stages[/]"),
