@@ -319,6 +319,10 @@ class Engine:
                 if not seq.cancelled:
                     batch.append(seq)
             self._running = len(batch)
+            if batch:
+                self.batches_run += 1
+                self.sequences_run += len(batch)
+                self.largest_batch = max(self.largest_batch, len(batch))
             return batch
 
     def _worker(self) -> None:
@@ -341,9 +345,6 @@ class Engine:
             finally:
                 with self._cond:
                     self._running = 0
-                    self.batches_run += 1
-                    self.sequences_run += len(batch)
-                    self.largest_batch = max(self.largest_batch, len(batch))
         logger.info("engine worker stopped")
 
     def _execute(self, batch: list[_Sequence]) -> None:
