@@ -415,12 +415,12 @@ def finetune(
     model.config.use_cache = False
     merge_lora = cfg.merge_lora
     if cfg.lora:
-        if _lora_unties(model, cfg) and not merge_lora:
-            logger.info("tied embeddings + LoRA on lm_head: lm_head untied, model saved merged")
-            merge_lora = True
         if base_ref != "embedded" and not Path(base_ref).is_dir() and not merge_lora:
             logger.info("in-memory base %r cannot back an adapter; saving merged", base_ref)
             merge_lora = True
+        from transformers import set_seed
+
+        set_seed(cfg.seed)  # the adapter's random init (the Trainer seeds only later)
         model = _wrap_lora(model, cfg)
 
     resume = _latest_checkpoint(tmp) if tmp.is_dir() else None
@@ -480,8 +480,13 @@ def finetune(
         if cfg.lora:
             final_model.peft_config["default"].base_model_name_or_path = base_ref
             if merge_lora:
+                _untie_lm_head(final_model.get_base_model())
                 final_model = final_model.merge_and_unload()
-        final_model.save_pretrained(str(stage))
+        if cfg.lora and not merge_lora:
+            # the frozen embeddings are the base's: keep them out of the adapter
+            final_model.save_pretrained(str(stage), save_embedding_layers=False)
+        else:
+            final_model.save_pretrained(str(stage))
         tok.save_pretrained(str(stage))
         info = {
             "fingerprint": fp,
@@ -542,8 +547,6 @@ def _wrap_lora(model: PreTrainedModel, cfg: TrainConfig) -> Any:
             f"LoRA target modules {missing} do not exist in this model; available leaf modules "
             f"include {sorted(present)[:20]}"
         )
-    if _lora_unties(model, cfg):
-        _untie_lm_head(model)
     lcfg = LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
@@ -554,26 +557,23 @@ def _wrap_lora(model: PreTrainedModel, cfg: TrainConfig) -> Any:
     return get_peft_model(model, lcfg)
 
 
-def _lora_unties(model: PreTrainedModel, cfg: TrainConfig) -> bool:
-    """Whether LoRA on ``lm_head`` needs the output projection untied from the input embeddings.
-
-    The paper's models (LLaMA2-7B, StarCoder) have an untied ``lm_head``; SmolLM2 ties it to
-    ``embed_tokens``. An adapter on a tied ``lm_head`` cannot be merged correctly (peft 0.21
-    merges it into the shared matrix, changing the input embeddings too), so the ``lm_head`` is
-    given its own copy of the weights first and the result is saved merged.
-    """
-    return bool(
-        cfg.lora
-        and "lm_head" in cfg.lora_target_modules
-        and getattr(model.config, "tie_word_embeddings", False)
-    )
-
-
 def _untie_lm_head(model: PreTrainedModel) -> None:
+    """Give a (LoRA-wrapped) ``lm_head`` tied to the input embeddings its own weight copy.
+
+    peft applies an ``lm_head`` adapter to the output projection only, so on a tied model (SmolLM2)
+    the trained function leaves the input embeddings alone; merging into the shared matrix would
+    change them too (peft 0.21). Untying first makes the merged model equal the trained one
+    (``scpdr.models.load_model`` does the same for adapters).
+    """
     import torch
 
     head = model.get_output_embeddings()
-    head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    layer = getattr(head, "base_layer", head)
+    emb = model.get_input_embeddings()
+    emb_w = getattr(getattr(emb, "base_layer", emb), "weight", None)
+    if emb_w is None or layer.weight is not emb_w:
+        return
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
     model.config.tie_word_embeddings = False
     text_cfg = getattr(model.config, "get_text_config", None)
     if callable(text_cfg):
