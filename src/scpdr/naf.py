@@ -159,6 +159,8 @@ def _check_base(base: Tensor | None, logps: Tensor, method: str) -> Tensor:
             f"{method}: base has vocabulary size {base.shape[-1]} but the constituents have "
             f"{target[-1]}; base and constituents must share one tokenizer"
         )
+    if base.ndim == 1 or tuple(base.shape) == target:  # the common cases, checked cheaply
+        return base
     try:
         shape = torch.broadcast_shapes(tuple(base.shape), target)
     except RuntimeError:
@@ -507,11 +509,13 @@ def _scp_delta_r(
     m = _check_m(m, x.shape[-1], "scp-delta-r")
     k, shape, vocab = x.shape[0], tuple(x.shape[1:]), x.shape[-1]
     n = math.prod(shape[:-1])
+    rows = max(1, SCP_CHUNK_ELEMENTS // (k * vocab))
+    if n <= rows and not components:  # one chunk: skip the bookkeeping (it shows at batch 1)
+        return _scp_delta_r_sparse(_smoothing(x, b, m), shape), None
     xf = x.reshape(k, n, vocab)  # (K, N, V)
     bf = b.reshape(vocab) if b.numel() == vocab else b.expand(shape).reshape(n, vocab)
     out = torch.empty((n, vocab), device=x.device)
     comps = torch.empty((k, n, vocab), device=x.device) if components else None
-    rows = max(1, SCP_CHUNK_ELEMENTS // (k * vocab))
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         sm = _smoothing(xf[:, start:stop], bf if bf.ndim == 1 else bf[start:stop], m)
