@@ -822,6 +822,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {msg}", None
+    if loc[:1] == ["prompt"] and first.get("type") != "missing":
+        return (
+            "prompt: must be a string, a list of strings, a list of token ids (ints) or a list "
+            "of token-id lists",
+            "prompt",
+        )
     param = ".".join(loc) or None
     where = f"{param}: " if param else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
