@@ -53,7 +53,9 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CHUNK_IN_FEATURES",
     "ENV_SWITCH",
+    "TRANSPOSED_MAX_ROWS",
     "LoraAdapter",
     "LoraGroupView",
     "StackedLoRA",
@@ -67,6 +69,12 @@ __all__ = [
 
 #: Environment variable: set to "0" to turn the fast path off (the general path is then used).
 ENV_SWITCH = "SCPDR_LORA_FAST"
+
+#: Row counts (stacked batch x tokens) up to which the base matmul of a wrapped linear runs as
+#: ``(W·xᵀ)ᵀ`` on CPU (see :meth:`StackedLoraLinear._base_forward`).
+TRANSPOSED_MAX_ROWS = 6
+#: Input width of one weight chunk in the few-rows CPU kernel (wider linears are split).
+CHUNK_IN_FEATURES = 576
 
 _PREFIX = "base_model.model."
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -219,6 +227,17 @@ class _Mode:
         self.single: int | None = None
 
 
+def _in_chunks(in_features: int) -> int:
+    """Chunks for the CPU base matmul of a wide linear: the smallest ``c`` dividing
+    ``in_features`` with chunks of at most :data:`CHUNK_IN_FEATURES` (1: no split)."""
+    if in_features <= CHUNK_IN_FEATURES:
+        return 1
+    for c in range(2, in_features // 64 + 1):
+        if in_features % c == 0 and in_features // c <= CHUNK_IN_FEATURES:
+            return c
+    return 1
+
+
 class StackedLoraLinear(nn.Module):
     """An ``nn.Linear`` of the shared base plus the LoRA deltas of L groups.
 
@@ -226,46 +245,98 @@ class StackedLoraLinear(nn.Module):
     rows, then for the first L groups ``y_g += (x_g·A_gᵀ)·(s_g·B_g)ᵀ`` with two batched matmuls.
     Single mode (group g): ``y + (x·A_gᵀ)·(s_g·B_g)ᵀ``. Groups ``>= L`` have no delta.
 
-    Buffers: ``lora_a`` ``(L, in, r)`` (= Aᵀ), ``lora_b`` ``(L, r, out)`` (= s·Bᵀ), not persistent.
+    Buffers: ``lora_a`` ``(L, in, r)`` (= Aᵀ), ``lora_b`` ``(L, r, out)`` (= s·Bᵀ), not persistent;
+    both None (L = 0) for a linear no adapter targets (wrapped for the stacked base matmul only).
+    On CPU a linear wider than :data:`CHUNK_IN_FEATURES` inputs keeps its weight as ``c`` input
+    chunks ``weight_chunks`` ``(c, out, in/c)`` instead of ``base_layer`` (same memory; see
+    :meth:`_base_forward`).
     """
 
-    def __init__(self, base_layer: nn.Linear, a: Tensor, b: Tensor, mode: _Mode) -> None:
+    def __init__(
+        self, base_layer: nn.Linear, a: Tensor | None, b: Tensor | None, mode: _Mode
+    ) -> None:
         super().__init__()
-        self.base_layer = base_layer
+        self._in, self._out = base_layer.in_features, base_layer.out_features
+        w = base_layer.weight
+        c = _in_chunks(self._in) if w.device.type == "cpu" else 1
+        if c > 1:  # (c, out, in/c) chunks; the original weight is dropped with base_layer
+            chunks = w.detach().view(self._out, c, self._in // c).permute(1, 0, 2).contiguous()
+            self.base_layer = None
+            self.register_buffer("weight_chunks", chunks, persistent=False)
+            bias = None if base_layer.bias is None else base_layer.bias.detach()
+            self.register_buffer("bias", bias, persistent=False)
+        else:
+            self.base_layer = base_layer
+            self.register_buffer("weight_chunks", None, persistent=False)
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
-        self.num_lora = int(a.shape[0])
+        self.num_lora = 0 if a is None else int(a.shape[0])
         self._mode = mode
 
     @property
     def weight(self) -> Tensor:
-        """The base weight (so ``get_output_embeddings().weight`` still works)."""
-        return self.base_layer.weight
+        """The base weight ``(out, in)`` (so ``get_output_embeddings().weight`` still works; a
+        copy for a chunked weight)."""
+        if self.base_layer is not None:
+            return self.base_layer.weight
+        return self.weight_chunks.permute(1, 0, 2).reshape(self._out, self._in)
 
     @property
     def in_features(self) -> int:
-        return self.base_layer.in_features
+        return self._in
 
     @property
     def out_features(self) -> int:
-        return self.base_layer.out_features
+        return self._out
+
+    def _base_forward(self, x: Tensor) -> Tensor:
+        """``x·Wᵀ + bias`` ``(N, ..., out)``, a fresh contiguous tensor.
+
+        CPU kernels (MKL, measured in ``docs/lora_fast_path.md``): for 2..TRANSPOSED_MAX_ROWS
+        rows ``F.linear`` picks a small-M sgemm costing ~2x one row, while ``(W·xᵀ)ᵀ`` streams W
+        once for all rows, as fast as one row when W has at most ~576 inputs; wider weights are
+        split into input chunks of that size (one bmm, summed). With many rows, ``F.linear``.
+        """
+        rows = x.numel() // x.shape[-1]
+        few = 1 < rows <= TRANSPOSED_MAX_ROWS and x.device.type == "cpu"
+        w3 = self.weight_chunks
+        if w3 is None:
+            layer = self.base_layer
+            if not few:
+                return layer(x)
+            y = torch.mm(layer.weight, x.reshape(rows, -1).t()).t()  # (rows, out), a view
+            bias = layer.bias
+        else:
+            c, _, k = w3.shape
+            x2 = x.reshape(rows, c * k)
+            if rows == 1 or few:  # (c, out, k) @ (c, k, rows), summed over the chunks
+                y = torch.bmm(w3, x2.t().reshape(c, k, rows)).sum(0).t()
+            else:  # (c, rows, k) @ (c, k, out)
+                y = torch.bmm(x2.view(rows, c, k).transpose(0, 1), w3.transpose(1, 2)).sum(0)
+            bias = self.bias
+        if bias is not None:
+            y = y + bias
+        return y.contiguous().view(*x.shape[:-1], self._out)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.base_layer(x)  # (N, ..., out), a fresh tensor
-        mode = self._mode
+        y = self._base_forward(x)  # (N, ..., out), a fresh tensor
+        mode, n = self._mode, self.num_lora
+        if n == 0:
+            return y
         if mode.stacked is not None:
-            g, n = mode.stacked, self.num_lora
+            g = mode.stacked
             xs = x.reshape(g, -1, x.shape[-1])[:n]  # (L, B·T, in)
             ys = y.view(g, -1, y.shape[-1])  # (G, B·T, out), aliases y
             ys[:n].baddbmm_(torch.bmm(xs, self.lora_a), self.lora_b)
             return y
-        if mode.single is not None and mode.single < self.num_lora:
+        if mode.single is not None and mode.single < n:
             i = mode.single
             return y + (x @ self.lora_a[i]) @ self.lora_b[i]
         return y
 
     def extra_repr(self) -> str:
-        return f"groups_with_lora={self.num_lora}, rank={self.lora_a.shape[-1]}"
+        rank = 0 if self.lora_a is None else self.lora_a.shape[-1]
+        return f"groups_with_lora={self.num_lora}, rank={rank}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -410,6 +481,9 @@ class StackedLoRA:
                     )
         for name, layer, a, b in plans:  # only now modify the model (no half-wrapped state)
             self.model.set_submodule(name, StackedLoraLinear(layer, a, b, self._mode))
+        for name, layer in named.items():  # the other linears (lm_head...): stacked matmul only
+            if type(layer) is nn.Linear and name not in targets:
+                self.model.set_submodule(name, StackedLoraLinear(layer, None, None, self._mode))
 
     @contextlib.contextmanager
     def _single(self, group: int) -> Iterator[None]:

@@ -1,0 +1,242 @@
+"""SCP-Δr-b over LoRA constituents (shared-base fast path, issue 8) vs a single model.
+
+On the embedded SmolLM2-135M, two random rank-64 LoRA adapters (α 32, paper App. E) on every
+projection module (q, k, v, o, gate, up, down; non-zero B so the deltas matter) are bundled
+with the base; ``ProtectedLM.from_bundle`` detects them and runs base + 2 adapters as one
+stacked batch. Measured round-robin in one run (the CPU is shared):
+
+- greedy decode tokens/s of SCP-Δr-b (``ProtectedLM.generate``, no early stop) divided by HF
+  ``generate`` tokens/s of one unprotected model, same prompts, B in {1, 8}; the general path
+  (three separate models) is timed alongside for reference;
+- peak resident memory (``ru_maxrss``) of a process that loads the fast-path protected model and
+  decodes, divided by that of a process that loads one model and decodes (fresh subprocesses).
+
+Goals (issue 8): speed ratios >= 0.75, memory ratio <= 1.25.
+
+    python benchmarks/bench_lora.py [--quick] [--threads N]
+
+Last stdout line: ``{"bench": "lora", "ratios": {"scp-delta-r-b@B1": ..., "scp-delta-r-b@B8":
+..., "memory": ...}, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import emit, interleaved_medians, setup
+
+logger = logging.getLogger("scpdr.benchmarks.lora")
+
+GOALS = {"scp-delta-r-b@B1": 0.75, "scp-delta-r-b@B8": 0.75, "memory": 1.25}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash table works, and when you would use one instead of a list.",
+    "What are three good habits for keeping a small vegetable garden healthy?",
+    "Summarize the main causes of the French Revolution in a few sentences please.",
+    "Describe the water cycle to a ten year old child in simple, friendly words.",
+    "Give me a recipe for a quick vegetarian dinner that uses chickpeas and rice.",
+    "Why is the sky blue during the day but red and orange during the sunset?",
+    "List some tips for writing clear and maintainable Python code for a team.",
+]
+CHILD_TOKENS = 16
+
+
+def build_bundle(root: Path, base, *, rank: int, alpha: float, k: int = 2) -> Path:
+    """``root/adapter-<i>`` (random LoRA over the embedded base) and a bundle in ``root``."""
+    from scpdr import models
+    from scpdr.lora_fast import save_random_lora
+
+    base_dir = models.base_model_dir()
+    refs = [
+        save_random_lora(
+            base,
+            root / f"adapter-{i}",
+            base_ref=str(base_dir),
+            r=rank,
+            alpha=alpha,
+            target_modules=TARGETS,
+            seed=i,
+            std=0.02,
+        )
+        for i in range(k)
+    ]
+    return models.write_bundle(root / "bundle", base=base_dir, constituents=refs)
+
+
+def child(kind: str, bundle: str, n_new: int) -> int:
+    """Load one model (``single``) or the fast-path protected bundle (``protected``), decode
+    ``n_new`` greedy tokens for one prompt, print ``{"maxrss_kb": ...}``."""
+    import resource
+
+    import torch
+
+    from scpdr import models
+    from scpdr.protected import ProtectedLM
+
+    if kind == "single":
+        model, tok = models.load_base()
+        enc = tok(PROMPTS[:1], return_tensors="pt")
+        with torch.inference_mode():
+            model.generate(
+                **enc,
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
+    else:
+        lm = ProtectedLM.from_bundle(bundle)
+        if lm._stacked is None:
+            raise RuntimeError("the LoRA fast path did not engage")
+        lm.generate(PROMPTS[:1], max_new_tokens=n_new, stop_at_eos=False)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    hwm = None
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1])
+    print(json.dumps({"kind": kind, "maxrss_kb": rss, "vmhwm_kb": hwm}), flush=True)
+    return 0
+
+
+_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+
+
+def peak_rss(kind: str, bundle: Path, threads: int) -> dict[str, int]:
+    """Peak RSS (KiB) of a fresh ``--child kind`` process: ``ru_maxrss`` and ``/proc`` VmHWM.
+
+    The child is started through a small launcher process: Linux carries a process's
+    ``ru_maxrss`` over fork + exec, so a child forked directly from this (large) process would
+    report at least this process's own peak.
+    """
+    cmd = [sys.executable, __file__, "--child", kind, "--bundle", str(bundle)]
+    out = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, *cmd, "--threads", str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats (< 5 min)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens generated per prompt")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds per batch size")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rank", type=int, default=64, help="LoRA rank (paper: 64)")
+    ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (paper: 32)")
+    ap.add_argument("--no-general", action="store_true", help="skip timing the general path")
+    ap.add_argument("--only", choices=["speed", "memory"], help="run one part only")
+    ap.add_argument("--memory-rounds", type=int, default=None, help="subprocess pairs (median)")
+    ap.add_argument("--child", choices=["single", "protected"], help=argparse.SUPPRESS)
+    ap.add_argument("--bundle", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    threads = setup(threads=args.threads)
+    if args.child:
+        return child(args.child, args.bundle, CHILD_TOKENS)
+
+    import statistics
+
+    import torch
+
+    from scpdr import models
+    from scpdr.protected import ProtectedLM
+
+    n_new = args.new_tokens or (8 if args.quick else 24)
+    repeats = args.repeats or (3 if args.quick else 5)
+    mem_rounds = args.memory_rounds or (1 if args.quick else 3)
+    base, tok = models.load_base()
+    tmp = tempfile.TemporaryDirectory(prefix="bench-lora-")
+    root = Path(tmp.name)
+    bundle = build_bundle(root, base, rank=args.rank, alpha=args.alpha)
+    fast = ProtectedLM.from_bundle(bundle)
+    if fast._stacked is None:
+        raise RuntimeError("the LoRA fast path did not engage on the benchmark bundle")
+    lms = {"scp-delta-r-b": fast}
+    if not args.no_general:
+        merged = [models.load_model(root / f"adapter-{i}") for i in range(2)]
+        lms["general"] = ProtectedLM(merged, tok, base_model=base)
+    tok.padding_side = "left"
+
+    ratios: dict[str, float | None] = {}
+    ms: dict[str, float] = {}
+    for b in [] if args.only == "memory" else args.batch_sizes:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
+        enc = tok(prompts, return_tensors="pt", padding=True)
+
+        def hf(enc=enc):
+            with torch.inference_mode():
+                base.generate(
+                    **enc,
+                    max_new_tokens=n_new,
+                    min_new_tokens=n_new,
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                )
+
+        fns = {"hf-generate": hf}
+        for name, lm in lms.items():
+            if name == "general" and args.quick and b > 1:
+                continue
+            fns[name] = lambda lm=lm, prompts=prompts: lm.generate(
+                prompts, max_new_tokens=n_new, stop_at_eos=False
+            )
+        logger.info("B=%d: timing %s (%d rounds, %d new tokens)", b, list(fns), repeats, n_new)
+        med = interleaved_medians(fns, repeats=repeats, warmup=1)
+        for name, sec in med.items():
+            ms[f"{name}@B{b}"] = round(1000 * sec / n_new, 2)  # ms per generated step
+            if name != "hf-generate":
+                key = f"{name}@B{b}"
+                (ratios if name == "scp-delta-r-b" else ms).__setitem__(
+                    key if name == "scp-delta-r-b" else f"ratio:{key}",
+                    round(med["hf-generate"] / sec, 3),
+                )
+
+    del lms, fast
+    logger.info("memory: %d round(s) of single / protected subprocesses", mem_rounds)
+    rss: dict[str, list[dict[str, int]]] = {"single": [], "protected": []}
+    for _ in range(0 if args.only == "speed" else mem_rounds):
+        for kind in rss:
+            rss[kind].append(peak_rss(kind, bundle, threads))
+    mem = {k: statistics.median([r["maxrss_kb"] for r in v] or [0]) for k, v in rss.items()}
+    hwm = {k: statistics.median([r["vmhwm_kb"] or 0 for r in v] or [0]) for k, v in rss.items()}
+    ratios["memory"] = round(mem["protected"] / mem["single"], 3) if mem["single"] else None
+    tmp.cleanup()
+
+    met = {
+        k: ratios.get(k) is not None and (ratios[k] <= v if k == "memory" else ratios[k] >= v)
+        for k, v in GOALS.items()
+    }
+    for k, v in ratios.items():
+        logger.info("%-20s %.3f  (goal %s)", k, v, GOALS.get(k))
+    emit(
+        "lora",
+        ratios,
+        goals=GOALS,
+        goals_met=met,
+        ms_per_step=ms,
+        peak_rss_mib={k: round(v / 1024, 1) for k, v in mem.items()},
+        vmhwm_mib={k: round(v / 1024, 1) for k, v in hwm.items()},
+        rank=args.rank,
+        new_tokens=n_new,
+        threads=threads,
+        quick=args.quick,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
