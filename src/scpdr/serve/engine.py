@@ -309,8 +309,8 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return None
-            was_single = len(self._queue) < self.max_batch
-        if was_single and self.batch_wait_s > 0:
+            partial = len(self._queue) < self.max_batch
+        if partial and self.batch_wait_s > 0:
             time.sleep(self.batch_wait_s)  # let concurrent requests join this batch
         with self._cond:
             batch: list[_Sequence] = []
