@@ -60,3 +60,16 @@ def test_lira_separates_members_of_a_memorizer(tmp_path):
     assert null.auc == 0.5
     out = plot_roc({"none": res, "null": null}, tmp_path / "roc.png")
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reference_scores_are_cached_across_targets():
+    ref = uniform_scorer()
+    calls = []
+    inner = ref.score
+    ref.score = lambda *a, **k: calls.append(1) or inner(*a, **k)
+    cache: dict = {}
+    a = lira(memorizing_scorer(MEMBERS), ref, MEMBERS, NONMEMBERS, cache=cache, batch_size=8)
+    n_first = len(calls)
+    b = lira(uniform_scorer(), ref, MEMBERS, NONMEMBERS, cache=cache, batch_size=8)
+    assert len(calls) == n_first > 0  # the second target reused the reference's scores
+    assert a.auc == 1.0 and b.auc == 0.5

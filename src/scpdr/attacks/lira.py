@@ -107,10 +107,22 @@ class LiRAResult:
 
 
 def _seq_stats(
-    target: Scorer, reference: Scorer, seqs: list[list[int]], *, statistic: str, batch_size: int
+    target: Scorer,
+    reference: Scorer,
+    seqs: list[list[int]],
+    *,
+    statistic: str,
+    batch_size: int,
+    cache: dict | None,
 ) -> np.ndarray:
     t = batched_token_logprobs(target, seqs, batch_size=batch_size)
-    r = batched_token_logprobs(reference, seqs, batch_size=batch_size)
+    key = (id(reference), hash(tuple(map(tuple, seqs))))
+    if cache is not None and key in cache:
+        r = cache[key]
+    else:
+        r = batched_token_logprobs(reference, seqs, batch_size=batch_size)
+        if cache is not None:
+            cache[key] = r
     out = np.empty(len(seqs))
     for i, (a, b) in enumerate(zip(t, r, strict=True)):
         d = (a - b).double().numpy()
@@ -129,10 +141,13 @@ def lira(
     statistic: str = "mean",
     max_tokens: int | None = None,
     batch_size: int = 16,
+    cache: dict | None = None,
 ) -> LiRAResult:
     """Offline LiRA of ``target`` against ``reference`` (trained without the members; for a NAF
     method the worst case is ``CP(p0, q)`` with ``p0`` trained without them, Theorem 4.5).
-    ``statistic``: ``"mean"`` (per-token average log-ratio) or ``"sum"``."""
+    ``statistic``: ``"mean"`` (per-token average log-ratio) or ``"sum"``. ``cache``: a dict kept
+    across calls that share a reference scorer object (e.g. ``q`` for every method), so its
+    scores are computed once."""
     if statistic not in ("mean", "sum"):
         raise ConfigError(f"statistic must be 'mean' or 'sum', got {statistic!r}")
     if not members or not nonmembers:
@@ -144,7 +159,9 @@ def lira(
         return [s[:max_tokens] for s in out] if max_tokens is not None else out
 
     seqs = ids(members) + ids(nonmembers)
-    scores = _seq_stats(target, reference, seqs, statistic=statistic, batch_size=batch_size)
+    scores = _seq_stats(
+        target, reference, seqs, statistic=statistic, batch_size=batch_size, cache=cache
+    )
     labels = np.r_[np.ones(len(members), dtype=bool), np.zeros(len(nonmembers), dtype=bool)]
     return LiRAResult(scores, labels, scorer_name(target), scorer_name(reference, "reference"))
 

@@ -206,6 +206,7 @@ def run_eval(
         ref_of = reference
     rep = EvalReport()
     corpus = data.corpus
+    lira_cache: dict = {}  # reference scores, shared by the methods that share a reference
 
     def timed(method: str, attack: str, n: int, fn: Callable[[], list[ResultRow]]) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -317,6 +318,7 @@ def run_eval(
                         non,
                         max_tokens=opts.lira_max_tokens,
                         batch_size=opts.batch_size,
+                        cache=lira_cache,
                     )
                     rep.lira[method] = res
                     return res.rows(method=method, corpus=corpus)

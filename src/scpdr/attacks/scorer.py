@@ -30,7 +30,6 @@ __all__ = [
     "ScoreResult",
     "Scorer",
     "SimpleGeneration",
-    "batched_components",
     "batched_greedy",
     "batched_next_token",
     "batched_token_logprobs",
@@ -228,19 +227,17 @@ def batched_greedy(
     chunks that bound the memory."""
     out: list[Any] = [None] * len(seqs)
     pid = pad_token_id(scorer.tokenizer)
-    use_full = False
+    use_full = None
     for idx in _length_batches(seqs, batch_size):
         ids, mask = pad_batch([seqs[i] for i in idx], pad_id=pid, side="right")
-        g_ids = g_lp = tl = None
-        if not use_full:
-            res = scorer.score(ids, mask, greedy=True)
-            g_ids, g_lp = _greedy_of(res)
-            if g_lp is None:
-                use_full = True  # this scorer gives ids only: use full distributions from now on
-            else:
-                tl = _token_logprobs_of(res)
+        if use_full is None:  # probe on two tokens: does greedy=True come with log-probs?
+            use_full = _greedy_of(scorer.score(ids[:1, :2], mask[:1, :2], greedy=True))[1] is None
         if use_full:
             g_ids, g_lp, tl = _greedy_full(scorer, ids, mask)
+        else:
+            res = scorer.score(ids, mask, greedy=True)
+            g_ids, g_lp = _greedy_of(res)
+            tl = _token_logprobs_of(res)
         g_ids, g_lp, tl = (t.detach().cpu() for t in (g_ids, g_lp, tl))
         for row, i in enumerate(idx):
             n = max(len(seqs[i]) - 1, 0)
@@ -278,24 +275,6 @@ def batched_next_token(
         ids_out[idx] = tok
         lp_out[idx] = lp
     return ids_out, lp_out
-
-
-def batched_components(
-    scorer: Scorer, seqs: Sequence[Sequence[int]], *, batch_size: int = 4
-) -> Iterator[tuple[list[int], Tensor, Tensor | None, Tensor]]:
-    """Yield, batch by batch, ``(indices, logps[K, B, T-1, V], base[B, T-1, V] | None,
-    mask[B, T-1])`` — the raw constituent (and base) log-probs at every teacher-forced position
-    (``score(..., components=True)``; in-process analysis only). ``mask`` is 1 where the
-    position predicts a real token."""
-    pid = pad_token_id(scorer.tokenizer)
-    for idx in _length_batches(seqs, batch_size):
-        ids, mask = pad_batch([seqs[i] for i in idx], pad_id=pid, side="right")
-        res = scorer.score(ids, mask, components=True)
-        comp = _field(res, "components")
-        if comp is None:
-            raise TypeError(f"{scorer_name(scorer)}: score(..., components=True) gave none")
-        logps, base = _split_components(comp)
-        yield idx, logps, base, mask[:, 1:] * mask[:, :-1]
 
 
 def _split_components(comp: Any) -> tuple[Tensor, Tensor | None]:
