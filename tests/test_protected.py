@@ -337,6 +337,9 @@ def test_bad_inputs_and_construction(parts, bundle, tmp_path):
         _lm(parts, "cp-delta", single=True)
     with pytest.raises(ValueError, match="base"):
         _lm(parts, "scp-delta-r")
+    for bad_m in (0, 49152, 2.5):
+        with pytest.raises(ValueError, match="m must"):
+            _lm(parts, "scp-delta-r", "b", m=bad_m)
     with pytest.raises(ValueError, match="unknown method"):
         ProtectedLM.from_bundle(bundle, method="nope")
     with pytest.raises(ValueError, match="'model' or 'constant'"):

@@ -279,6 +279,8 @@ class ProtectedLM:
         names = list(names) if names is not None else [f"constituent {i}" for i in range(k)]
         self.vocab_size = int(constituents[0].get_output_embeddings().weight.shape[0])
         self.device = next(constituents[0].parameters()).device
+        if m >= self.vocab_size:
+            raise ValueError(f"m must be < V = {self.vocab_size} (tokens kept unsmoothed), got {m}")
 
         self.variant: str | None = None
         self.base_model: PreTrainedModel | None = None
