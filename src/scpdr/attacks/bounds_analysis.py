@@ -260,37 +260,39 @@ def plot_bound_histograms(
 
     if isinstance(dists, BoundDistributions):
         dists = {"": dists}
-    panels = [
-        (label, q, d.values[q]) for label, d in dists.items() for q in quantities if d.values.get(q)
-    ]
-    if not panels:
+    labels = [lab for lab, d in dists.items() if any(d.values.get(q) for q in quantities)]
+    qs = [q for q in quantities if any(dists[lab].values.get(q) for lab in labels)]
+    if not labels or not qs:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (label, q, per) in zip(axes[0], panels, strict=True):
-        pos = [v[np.isfinite(v) & (v > 0)] for v in per.values()]
-        allv = np.concatenate(pos) if pos else np.zeros(0)
-        if allv.size == 0:
-            ax.set_title(f"{q} {label}: no positive values")
-            continue
-        lo, hi = max(allv.min(), 1e-8), max(allv.max(), 1e-7)
-        edges = np.logspace(np.log10(lo), np.log10(hi * 1.0001), bins)
-        for method, v in per.items():
-            v = v[np.isfinite(v) & (v > 0)]
-            if v.size:
-                ax.hist(
-                    v,
-                    bins=edges,
-                    histtype="step",
-                    label=f"{method} (p99 {np.percentile(v, 99):.3g})",
-                )
-        ax.set(
-            xscale="log",
-            yscale="log",
-            xlabel=f"{q} (nats)",
-            ylabel="positions",
-            title=f"{q} {label}".strip(),
-        )
-        ax.legend(fontsize=6)
+    # one row per label (typical, rare), one column per quantity
+    fig, axes = plt.subplots(
+        len(labels), len(qs), figsize=(4.2 * len(qs), 3.2 * len(labels)), squeeze=False
+    )
+    for i, label in enumerate(labels):
+        for j, q in enumerate(qs):
+            ax = axes[i][j]
+            per = dists[label].values.get(q) or {}
+            pos = [v[np.isfinite(v) & (v > 0)] for v in per.values()]
+            allv = np.concatenate(pos) if pos else np.zeros(0)
+            if allv.size == 0:
+                ax.set_title(f"{q} {label}: no positive values")
+                ax.axis("off")
+                continue
+            lo, hi = max(allv.min(), 1e-8), max(allv.max(), 1e-7)
+            edges = np.logspace(np.log10(lo), np.log10(hi * 1.0001), bins)
+            for method, v in per.items():
+                v = v[np.isfinite(v) & (v > 0)]
+                if v.size:
+                    p99 = np.percentile(v, 99)
+                    ax.hist(v, bins=edges, histtype="step", label=f"{method} (p99 {p99:.3g})")
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel=f"{q} (nats)",
+                ylabel="positions",
+                title=f"{q} {label}".strip(),
+            )
+            ax.legend(fontsize=6)
     fig.tight_layout()
     out = atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=130))
     plt.close(fig)

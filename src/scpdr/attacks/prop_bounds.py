@@ -281,7 +281,7 @@ def plot_prop_bounds(result: PropBoundsResult, path: str | os.PathLike[str]) -> 
             )
         ax.set_yscale("symlog", linthresh=1e-2)
         frac = result.smoothed_q.get(scheme)
-        sub = f"\n(y_s smoothed in q: {frac:.0%})" if frac is not None else ""
+        sub = f"\n(y_s smoothed in q: {frac:.1%})" if frac is not None else ""
         ax.set(xlabel="p1(y_s)", title=SCHEME_TITLES.get(scheme, scheme) + sub)
         ax.title.set_fontsize(9)
     axes[0][0].set_ylabel("v_x(y_s) (nats)")
