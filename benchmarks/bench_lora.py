@@ -6,8 +6,9 @@ with the base; ``ProtectedLM.from_bundle`` detects them and runs base + 2 adapte
 stacked batch. Measured round-robin in one run (the CPU is shared):
 
 - greedy decode tokens/s of SCP-Δr-b (``ProtectedLM.generate``, no early stop) divided by HF
-  ``generate`` tokens/s of one unprotected model, same prompts, B in {1, 8}; the general path
-  (three separate models) is timed alongside for reference;
+  ``generate`` tokens/s of one unprotected model, same prompts, B in {1, 8}. A decode step's
+  time is ``(t(n tokens) - t(1 token)) / (n - 1)`` (prefill excluded; end-to-end ratios are
+  reported too); the general path (three separate models) is timed alongside for reference;
 - peak resident memory (``ru_maxrss``) of a process that loads the fast-path protected model and
   decodes, divided by that of a process that loads one model and decodes (fresh subprocesses).
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from scpdr import models
     from scpdr.protected import ProtectedLM
 
-    n_new = args.new_tokens or (8 if args.quick else 24)
+    n_new = max(2, args.new_tokens or (10 if args.quick else 32))
     repeats = args.repeats or (3 if args.quick else 5)
     mem_rounds = args.memory_rounds or (1 if args.quick else 3)
     base, tok = models.load_base()
@@ -173,37 +174,47 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios: dict[str, float | None] = {}
     ms: dict[str, float] = {}
+    end_to_end: dict[str, float] = {}
     for b in [] if args.only == "memory" else args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
         enc = tok(prompts, return_tensors="pt", padding=True)
+        fns = {}
+        for n in (n_new, 1):  # decode step cost = (t(n tokens) - t(1 token)) / (n - 1)
 
-        def hf(enc=enc):
-            with torch.inference_mode():
-                base.generate(
-                    **enc,
-                    max_new_tokens=n_new,
-                    min_new_tokens=n_new,
-                    do_sample=False,
-                    pad_token_id=tok.pad_token_id,
+            def hf(enc=enc, n=n):
+                with torch.inference_mode():
+                    base.generate(
+                        **enc,
+                        max_new_tokens=n,
+                        min_new_tokens=n,
+                        do_sample=False,
+                        pad_token_id=tok.pad_token_id,
+                    )
+
+            fns[f"hf-generate/{n}"] = hf
+            for name, lm in lms.items():
+                if name == "general" and args.quick and b > 1:
+                    continue
+                fns[f"{name}/{n}"] = lambda lm=lm, prompts=prompts, n=n: lm.generate(
+                    prompts, max_new_tokens=n, stop_at_eos=False
                 )
-
-        fns = {"hf-generate": hf}
-        for name, lm in lms.items():
-            if name == "general" and args.quick and b > 1:
-                continue
-            fns[name] = lambda lm=lm, prompts=prompts: lm.generate(
-                prompts, max_new_tokens=n_new, stop_at_eos=False
-            )
         logger.info("B=%d: timing %s (%d rounds, %d new tokens)", b, list(fns), repeats, n_new)
         med = interleaved_medians(fns, repeats=repeats, warmup=1)
-        for name, sec in med.items():
-            ms[f"{name}@B{b}"] = round(1000 * sec / n_new, 2)  # ms per generated step
-            if name != "hf-generate":
-                key = f"{name}@B{b}"
-                (ratios if name == "scp-delta-r-b" else ms).__setitem__(
-                    key if name == "scp-delta-r-b" else f"ratio:{key}",
-                    round(med["hf-generate"] / sec, 3),
-                )
+        step = {
+            k[: -len(f"/{n_new}")]: (med[k] - med[k[: -len(f"/{n_new}")] + "/1"]) / (n_new - 1)
+            for k in med
+            if k.endswith(f"/{n_new}")
+        }
+        for name, sec in step.items():
+            ms[f"{name}@B{b}"] = round(1000 * sec, 2)  # ms per decode step (prefill excluded)
+            e2e = med[f"hf-generate/{n_new}"] / med[f"{name}/{n_new}"]
+            if name == "hf-generate":
+                continue
+            if name == "scp-delta-r-b":
+                ratios[f"{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
+            else:
+                ms[f"ratio:{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
+            end_to_end[f"{name}@B{b}"] = round(e2e, 3)
 
     del lms, fast
     logger.info("memory: %d round(s) of single / protected subprocesses", mem_rounds)
@@ -228,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         goals=GOALS,
         goals_met=met,
         ms_per_step=ms,
+        end_to_end_ratios=end_to_end,
         peak_rss_mib={k: round(v / 1024, 1) for k, v in mem.items()},
         vmhwm_mib={k: round(v / 1024, 1) for k, v in hwm.items()},
         rank=args.rank,

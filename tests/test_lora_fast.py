@@ -308,6 +308,40 @@ def test_stacked_forward_equals_merged_weights(seed, plan, batch, tokens, wide):
             torch.testing.assert_close(view, want, atol=1e-4, rtol=1e-4)
 
 
+def test_wide_weights_from_checkpoint_source(tmp_path):
+    """Wide linears are re-laid out from the checkpoint (the model's own copy untouched); a
+    source that disagrees with the loaded weights is ignored."""
+    model = _tiny_llama(3, wide=True)
+    model.save_pretrained(str(tmp_path / "m"))
+    gen = torch.Generator().manual_seed(0)
+    name = "model.layers.0.mlp.down_proj"
+    a = torch.randn(4, 1200, generator=gen) * 0.3
+    b = torch.randn(16, 4, generator=gen) * 0.3
+    ids = torch.randint(3, 97, (2, 3), generator=gen)
+    mask = torch.ones_like(ids)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+        model.get_submodule(name).weight += 0.5 * b @ a
+        want_lora = model(input_ids=ids).logits
+    good = lora_fast.checkpoint_weight_source(tmp_path / "m")
+    assert torch.equal(good(name), models.load_model(tmp_path / "m").get_submodule(name).weight)
+    assert good("model.layers.0.mlp.nothing") is None
+
+    def bad(_):  # right shape, wrong values: must not be used
+        return torch.zeros(16, 1200)
+
+    for source in (good, bad):
+        base = models.load_model(tmp_path / "m")
+        adapter = LoraAdapter(tmp_path / "a", "base", {name: (a, b, 0.5)}, {})
+        stack = StackedLoRA(base, [adapter, None], ["a", "base"], weight_source=source)
+        assert stack.model.get_submodule(name).weight_chunks.shape == (3, 16, 400)
+        with torch.inference_mode():
+            out = stack(ids, mask, pos)  # (2, B, T, V)
+        torch.testing.assert_close(out[1], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[0], want_lora, atol=1e-4, rtol=1e-4)
+
+
 def test_read_lora_adapter_scaling_and_extras(lora):
     a0 = read_lora_adapter(lora["refs"][0])
     a2 = read_lora_adapter(lora["refs"][2])

@@ -37,7 +37,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +61,7 @@ __all__ = [
     "StackedLoRA",
     "StackedLoraLinear",
     "UnsupportedAdapterError",
+    "checkpoint_weight_source",
     "new_stacked_cache",
     "read_lora_adapter",
     "save_random_lora",
@@ -253,14 +254,23 @@ class StackedLoraLinear(nn.Module):
     """
 
     def __init__(
-        self, base_layer: nn.Linear, a: Tensor | None, b: Tensor | None, mode: _Mode
+        self,
+        base_layer: nn.Linear,
+        a: Tensor | None,
+        b: Tensor | None,
+        mode: _Mode,
+        *,
+        source: Tensor | None = None,
     ) -> None:
         super().__init__()
         self._in, self._out = base_layer.in_features, base_layer.out_features
         w = base_layer.weight
         c = _in_chunks(self._in) if w.device.type == "cpu" else 1
         if c > 1:  # (c, out, in/c) chunks; the original weight is dropped with base_layer
-            chunks = w.detach().view(self._out, c, self._in // c).permute(1, 0, 2).contiguous()
+            # ``source``: the same weight read from the checkpoint, so that the model's own
+            # (memory-mapped) copy is never paged in
+            src = w if source is None else source.to(w.dtype)
+            chunks = src.detach().view(self._out, c, self._in // c).permute(1, 0, 2).contiguous()
             self.base_layer = None
             self.register_buffer("weight_chunks", chunks, persistent=False)
             bias = None if base_layer.bias is None else base_layer.bias.detach()
@@ -411,6 +421,10 @@ class StackedLoRA:
         groups: one entry per group, in ProtectedLM's run order (constituents, then the base
             for SCP-Δr-b): a :class:`LoraAdapter` or None (the plain base).
         names: a name per group (for logs and views).
+        weight_source: optional ``module name -> weight tensor | None`` reading a base weight
+            from the checkpoint (see :func:`checkpoint_weight_source`): weights that are
+            re-laid out (wide linears on CPU) are copied from there, so that the model's own
+            memory-mapped copy is never paged in (peak memory as one model).
     """
 
     def __init__(
@@ -418,6 +432,8 @@ class StackedLoRA:
         model: PreTrainedModel,
         groups: Sequence[LoraAdapter | None],
         names: Sequence[str],
+        *,
+        weight_source: Callable[[str], Tensor | None] | None = None,
     ) -> None:
         groups = list(groups)
         if len(groups) != len(names):
@@ -430,7 +446,9 @@ class StackedLoRA:
         # groups >= L carry no delta (the plain base is last in SCP-Δr-b)
         self.num_lora = 1 + max(i for i, g in enumerate(groups) if g is not None)
         self._mode = _Mode()
+        self._source = weight_source
         self._wrap(groups)
+        self._source = None
         self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
 
     def _wrap(self, groups: list[LoraAdapter | None]) -> None:
@@ -479,11 +497,33 @@ class StackedLoRA:
                     raise UnsupportedAdapterError(
                         f"{g.path} stores its own {name} weights (a resized or trained vocabulary)"
                     )
-        for name, layer, a, b in plans:  # only now modify the model (no half-wrapped state)
-            self.model.set_submodule(name, StackedLoraLinear(layer, a, b, self._mode))
-        for name, layer in named.items():  # the other linears (lm_head...): stacked matmul only
-            if type(layer) is nn.Linear and name not in targets:
-                self.model.set_submodule(name, StackedLoraLinear(layer, None, None, self._mode))
+        others = [  # the other linears (lm_head...): wrapped for the stacked base matmul only
+            (name, layer, None, None)
+            for name, layer in named.items()
+            if type(layer) is nn.Linear and name not in targets
+        ]
+        for name, layer, a, b in plans + others:  # only now modify the model
+            wrapped = StackedLoraLinear(layer, a, b, self._mode, source=self._read(name, layer))
+            self.model.set_submodule(name, wrapped)
+
+    def _read(self, name: str, layer: nn.Linear) -> Tensor | None:
+        """``layer``'s weight from the weight source when it will be re-laid out (else None).
+        Checked against the module (shape, dtype kind, first and last rows): anything odd, e.g.
+        weights converted at load time, means None (the module's own weight is used)."""
+        w = layer.weight
+        if self._source is None or w.device.type != "cpu" or _in_chunks(layer.in_features) == 1:
+            return None
+        try:
+            src = self._source(name)
+        except Exception as exc:  # a broken checkpoint: the module's weight is correct anyway
+            logger.debug("weight source failed for %s: %s", name, exc)
+            return None
+        if src is None or src.shape != w.shape or not src.dtype.is_floating_point:
+            return None
+        rows = [0, w.shape[0] // 2, w.shape[0] - 1]
+        if not torch.equal(src[rows].to(w.dtype), w.detach()[rows]):
+            return None
+        return src
 
     @contextlib.contextmanager
     def _single(self, group: int) -> Iterator[None]:
@@ -572,6 +612,31 @@ class StackedLoRA:
         return logits.view(g, bsz, *logits.shape[1:])
 
 
+def checkpoint_weight_source(model_dir: str | os.PathLike[str]) -> Callable[[str], Tensor | None]:
+    """``module name -> its weight`` read from the safetensors checkpoint in ``model_dir``
+    (``model.safetensors`` or a sharded index), or None when absent. Each call opens its file
+    with its own memory map, released once the returned tensor is dropped."""
+    d = Path(os.fspath(model_dir))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = {k: d / v for k, v in weight_map.items()}
+    else:
+        files = None
+
+    def read(name: str) -> Tensor | None:
+        from safetensors import safe_open
+
+        key = f"{name}.weight"
+        f = files.get(key) if files is not None else d / "model.safetensors"
+        if f is None or not f.is_file():
+            return None
+        with safe_open(str(f), framework="pt") as fh:
+            return fh.get_tensor(key) if key in fh.keys() else None
+
+    return read
+
+
 # --------------------------------------------------------------------------------------------
 # detection at bundle load
 
@@ -649,8 +714,9 @@ def stacked_from_bundle(
     model = load_model(common, dtype=dtype)
     if device is not None:
         model = model.to(device)
+    source = checkpoint_weight_source(common) if Path(common).is_dir() else None
     try:
-        stack = StackedLoRA(model, adapters, names)
+        stack = StackedLoRA(model, adapters, names, weight_source=source)
     except UnsupportedAdapterError as exc:
         off(str(exc))
         return None
