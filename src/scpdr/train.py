@@ -464,6 +464,7 @@ def finetune(
         ),
         callbacks=list(callbacks),
     )
+    trainer.add_callback(_skip_final_checkpoint())
     if not cfg.progress:  # the Trainer then prints logs to stdout; log them instead
         from transformers.trainer_callback import PrinterCallback
 
@@ -519,6 +520,19 @@ def finetune(
         shutil.rmtree(tmp, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
     return out
+
+
+def _skip_final_checkpoint() -> TrainerCallback:
+    """Skip the Trainer's extra checkpoint after the last step (model + optimizer state, ~1.6 GB
+    for the 135M base): the final model is saved right after training anyway."""
+    from transformers import TrainerCallback
+
+    class _Skip(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step >= state.max_steps and state.global_step % args.save_steps:
+                control.should_save = False
+
+    return _Skip()
 
 
 def _log_callback() -> TrainerCallback:
