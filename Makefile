@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(VENV)/bin/scpdr demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

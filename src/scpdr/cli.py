@@ -70,12 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Exit as exc:
         return int(exc.exit_code)
     except Exception as exc:  # click usage errors and our own errors: message, not traceback
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+        click_exc, abort = _click_exception_types()
+        if isinstance(exc, click_exc):
             exc.show()
             return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, abort):
             return 1
         from scpdr.errors import ScpdrError
 
@@ -84,6 +83,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return 0
+
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(ClickException, Abort) classes of click and of the copy typer >= 0.29 vendors
+    (``typer._click``): typer.BadParameter derives from the vendored one."""
+    import click
+
+    mods = [click]
+    try:
+        import typer._click as vendored
+
+        mods.append(vendored)
+    except ImportError:  # older typer: plain click only
+        pass
+    return (
+        tuple(m.exceptions.ClickException for m in mods),
+        tuple(m.exceptions.Abort for m in mods if hasattr(m.exceptions, "Abort")),
+    )
 
 
 def run() -> None:
