@@ -14,7 +14,7 @@ stacked batch. Measured round-robin in one run (the CPU is shared):
 
 Goals (issue 8): speed ratios >= 0.75, memory ratio <= 1.25.
 
-    python benchmarks/bench_lora.py [--quick] [--threads N]
+    python benchmarks/bench_lora.py [--quick] [--threads N] [--only speed|memory]
 
 Last stdout line: ``{"bench": "lora", "ratios": {"scp-delta-r-b@B1": ..., "scp-delta-r-b@B8":
 ..., "memory": ...}, ...}``.
@@ -133,7 +133,13 @@ def peak_rss(kind: str, bundle: Path, threads: int) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats (< 5 min)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on the shared 2-core machine, multi-row matmuls with 2 "
+        "threads stall waiting for a core, which makes the ratios noise)",
+    )
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens generated per prompt")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per batch size")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])

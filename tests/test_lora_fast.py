@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -290,7 +291,7 @@ def test_stacked_forward_equals_merged_weights(seed, plan, batch, tokens, wide):
                 mods[name] = (a, b, s)
                 with torch.no_grad():
                     ref.get_submodule(name).weight += s * b @ a
-        groups.append(LoraAdapter(lora_fast.Path(f"g{i}"), "base", mods, {}))
+        groups.append(LoraAdapter(Path(f"g{i}"), "base", mods, {}))
         merged.append(ref)
     stack = StackedLoRA(model, groups, [f"g{i}" for i in range(len(groups))])
     ids = torch.randint(3, 97, (batch, tokens), generator=gen)

@@ -6,11 +6,13 @@ base weights and differ by low-rank deltas ``ΔW_g = s_g·B_g A_g`` (s_g = α/r,
 rsLoRA). Decoding is memory-bound, so instead of G = K (+1) forwards this module runs **one**
 forward of the base over a stacked batch of G·B rows (row ``g·B + b`` is row b of model g):
 
-- every targeted ``nn.Linear`` of the base is wrapped by :class:`StackedLoraLinear`, which holds
+- every ``nn.Linear`` of the base is wrapped by :class:`StackedLoraLinear`; a targeted one holds
   the stacked ``A`` ``(L, in, r)`` and scaled ``B`` ``(L, r, out)`` of the L leading groups that
   carry adapters (the plain-base group, last in SCP-Δr-b, has no delta and costs nothing); its
   input ``(G·B, T, in)`` is viewed as ``(G, B·T, in)`` and the deltas of all groups come from two
   batched matmuls ``bmm(x, A)`` then ``baddbmm(y, ·, B)``, no per-adapter Python loop;
+- the shared base matmul of a few stacked rows uses CPU kernels that cost about one row's weight
+  traffic (see :meth:`StackedLoraLinear._base_forward` and ``docs/lora_fast_path.md``);
 - different ranks are zero-padded to the largest (exact: padded rows/columns add 0); modules that
   only some adapters target get zero matrices for the others;
 - one KV cache (:func:`new_stacked_cache`) holds the stacked batch; dropping finished rows selects
@@ -26,7 +28,7 @@ that are not ``nn.Linear``, adapters whose shapes do not fit the base, or ``SCPD
 
 Results equal the general path's (log-probs within ~1e-5, identical greedy tokens): the only
 difference is the order of floating-point additions (``x·Wᵀ + s·(x·Aᵀ)·Bᵀ`` instead of
-``x·(W + s·B·A)ᵀ``).
+``x·(W + s·B·A)ᵀ``). Like the KV caches, a stack serves one forward at a time (not thread-safe).
 """
 
 from __future__ import annotations
