@@ -52,6 +52,16 @@ CONFIGS = [  # (method, variant)
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run faster on one thread, and on a shared 2-core machine two threads stall on
+    every small matmul (this module: ~20 s with one thread, ~90 s with two under load)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory):
     """A tiny base, three random LoRA adapters over it, a bundle of all three (with a constant
