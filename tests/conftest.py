@@ -14,4 +14,6 @@ os.environ.setdefault("SCPDR_HOME", str(Path(__file__).resolve().parents[1] / ".
 
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the tiny test models gain nothing from two, and OpenMP spin-waiting
+# made small multi-row matmuls 4-5x slower whenever the other core was busy (measured).
+torch.set_num_threads(1)
