@@ -54,3 +54,22 @@ def test_python_dash_m_is_the_same_cli():
         [sys.executable, "-m", "scpdr", "--help"], capture_output=True, text=True, check=True
     )
     assert "experiment" in out.stdout
+
+
+def test_typer_exit_code_is_returned():
+    app = typer.Typer()
+
+    @app.command()
+    def fail() -> None:
+        raise typer.Exit(code=3)
+
+    @app.command()
+    def other() -> None:
+        pass
+
+    saved = cli.app
+    try:
+        cli.app = app
+        assert cli.main(["fail"]) == 3
+    finally:
+        cli.app = saved

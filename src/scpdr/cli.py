@@ -64,7 +64,10 @@ _register()
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
     try:
-        app(args=argv if argv is not None else sys.argv[1:], standalone_mode=False)
+        # Non-standalone click returns typer.Exit's code instead of raising it.
+        rc = app(args=argv if argv is not None else sys.argv[1:], standalone_mode=False)
+        if isinstance(rc, int):
+            return rc
     except SystemExit as exc:  # typer/click exit paths
         return int(exc.code or 0)
     except typer.Exit as exc:
