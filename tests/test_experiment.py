@@ -389,6 +389,6 @@ def test_missing_base_model_is_a_clear_error(tmp_path):
     from scpdr.experiment import run_experiment
 
     cfg = validate_config(merged(tiny_dict(), {"base": str(tmp_path / "no-model")}))
-    with pytest.raises(ConfigError, match="base: model .* does not exist"):
+    with pytest.raises(ConfigError, match=r"base: model .* does not exist"):
         run_experiment(cfg, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
