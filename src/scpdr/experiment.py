@@ -1268,21 +1268,14 @@ def run_experiment(
     re-run even when cached. Cached dirs of the same stages with outdated hashes are deleted
     unless ``keep_stale``.
     """
-    config_text: str | None = None
-    if not isinstance(config, ExperimentConfig):
-        config_text = Path(config).read_text(encoding="utf-8")
-        config = load_config(config)
-        if re.search(r"^extends\s*:", config_text, flags=re.MULTILINE):
-            config_text = None  # show the resolved config, not just the overrides
+    config, stages, report = planned(config)
     _check_base(config)
     out = Path(out)
     with _run_lock(out):
-        stages, report = plan(config)
-        report.inputs["config_text"] = config_text or _dump_yaml(config)
-        report.__post_init__()  # re-hash with the config text
         runner = StageRunner(out, config, progress=progress)
         try:
-            outcomes = runner.run_all([*stages, report], force=force)
+            with _quiet_hf_progress():
+                outcomes = runner.run_all([*stages, report], force=force)
         finally:
             runner.cache.clear()
         if not keep_stale:
@@ -1308,6 +1301,40 @@ def run_experiment(
         results_json=out / "results.json",
         main_table=table,
     )
+
+
+def planned(
+    config: ExperimentConfig | str | os.PathLike[str],
+) -> tuple[ExperimentConfig, list[Stage], Stage]:
+    """(config, stages, report stage) exactly as :func:`run_experiment` runs them; the report
+    embeds the config file's text (the resolved config when it ``extends`` another)."""
+    config_text: str | None = None
+    if not isinstance(config, ExperimentConfig):
+        config_text = Path(config).read_text(encoding="utf-8")
+        config = load_config(config)
+        if re.search(r"^extends\s*:", config_text, flags=re.MULTILINE):
+            config_text = None  # show the resolved config, not just the overrides
+    stages, report = plan(config)
+    report.inputs["config_text"] = config_text or _dump_yaml(config)
+    report.__post_init__()  # re-hash with the config text
+    return config, stages, report
+
+
+@contextlib.contextmanager
+def _quiet_hf_progress() -> Iterator[None]:
+    """No transformers progress bars (loading/writing weights) under the stage display."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _check_base(cfg: ExperimentConfig) -> None:

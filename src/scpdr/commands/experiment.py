@@ -30,10 +30,10 @@ def experiment(
     """Run (or resume) an experiment and write results.json, report.md and report.html."""
     from scpdr.experiment import load_config
 
-    cfg = load_config(config)
+    load_config(config)  # validate first: errors name the key
     out_dir = out if out is not None else Path("runs") / config.stem
     if dry_run:
-        _print_plan(cfg, out_dir)
+        _print_plan(config, out_dir)
         return
     run_and_print(config, out_dir, force=force, progress=progress, keep_stale=keep_stale)
 
@@ -65,12 +65,12 @@ def run_and_print(
     return result
 
 
-def _print_plan(cfg, out: Path) -> None:  # type: ignore[no-untyped-def]
+def _print_plan(config: Path, out: Path) -> None:
     from rich.console import Console
 
-    from scpdr.experiment import StageRunner, plan
+    from scpdr.experiment import StageRunner, planned
 
-    stages, report = plan(cfg)
+    cfg, stages, report = planned(config)
     runner = StageRunner(out, cfg, progress=False)
     console = Console()
     seen = set()
