@@ -9,6 +9,9 @@ stacked batch. Measured round-robin in one run (the CPU is shared):
   ``generate`` tokens/s of one unprotected model, same prompts, B in {1, 8}. A decode step's
   time is ``(t(n tokens) - t(1 token)) / (n - 1)`` (prefill excluded; end-to-end ratios are
   reported too); the general path (three separate models) is timed alongside for reference;
+- the ceiling of any shared-base path (``stacked_rows_ceiling``): the same single model's step
+  time at B rows divided by its step time at 3·B rows (base + 2 constituents stacked, with no
+  adapter deltas and no aggregation) — what stacking alone costs on this machine;
 - peak resident memory (``ru_maxrss``) of a process that loads the fast-path protected model and
   decodes, divided by that of a process that loads one model and decodes (fresh subprocesses).
 
@@ -28,6 +31,7 @@ import logging
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -181,9 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     ratios: dict[str, float | None] = {}
     ms: dict[str, float] = {}
     end_to_end: dict[str, float] = {}
+    ceilings: dict[str, float] = {}
     for b in [] if args.only == "memory" else args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
         enc = tok(prompts, return_tensors="pt", padding=True)
+        # The ceiling of any shared-base path: one plain model decoding the (K + 1)·B stacked
+        # rows (base + 2 constituents), with no adapter deltas and no aggregation.
+        enc_stacked = tok(prompts * 3, return_tensors="pt", padding=True)
         fns = {}
         for n in (n_new, 1):  # decode step cost = (t(n tokens) - t(1 token)) / (n - 1)
 
@@ -198,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
 
             fns[f"hf-generate/{n}"] = hf
+            fns[f"hf-stacked-rows/{n}"] = partial(hf, enc_stacked, n)
             for name, lm in lms.items():
                 if name == "general" and args.quick and b > 1:
                     continue
@@ -215,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             ms[f"{name}@B{b}"] = round(1000 * sec, 2)  # ms per decode step (prefill excluded)
             e2e = med[f"hf-generate/{n_new}"] / med[f"{name}/{n_new}"]
             if name == "hf-generate":
+                continue
+            if name == "hf-stacked-rows":
+                ceilings[f"scp-delta-r-b@B{b}"] = round(step["hf-generate"] / sec, 3)
                 continue
             if name == "scp-delta-r-b":
                 ratios[f"{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
@@ -246,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         goals_met=met,
         ms_per_step=ms,
         end_to_end_ratios=end_to_end,
+        stacked_rows_ceiling=ceilings,
         peak_rss_mib={k: round(v / 1024, 1) for k, v in mem.items()},
         vmhwm_mib={k: round(v / 1024, 1) for k, v in hwm.items()},
         rank=args.rank,
