@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in GOALS.items()
     }
     for k, v in ratios.items():
-        logger.info("%-20s %.3f  (goal %s)", k, v, GOALS.get(k))
+        logger.info("%-20s %s  (goal %s)", k, "-" if v is None else f"{v:.3f}", GOALS.get(k))
     emit(
         "lora",
         ratios,
