@@ -619,7 +619,7 @@ def train_bundle(
     ``allow_failed_audit``, which is recorded in the bundle's ``audit`` field. ``base`` is
     ``"embedded"`` or a model directory. Re-running resumes: finished constituents are kept.
     """
-    from scpdr.data.partition import audit_partitions, load_partitions, save_partitions
+    from scpdr.data.partition import load_partitions, save_partitions
     from scpdr.models import constant_base_vector, load_model, load_tokenizer, write_bundle
 
     cfg = _make_config(config)
@@ -635,13 +635,7 @@ def train_bundle(
     else:
         save_partitions(pdir, pset)
 
-    report = audit_partitions(pset.manifest, pset.records(), canaries=pset.canaries)
-    audit = report.to_dict()
-    if not report.passed:
-        if not allow_failed_audit:
-            report.raise_if_failed()
-        logger.warning("partition audit FAILED; continuing because it was overridden")
-    audit["overridden"] = bool(allow_failed_audit and not report.passed)
+    audit = audit_for_bundle(pset, allow_failed_audit=allow_failed_audit)
 
     refs = []
     for i, part in enumerate(pset.parts):
@@ -674,3 +668,33 @@ def train_bundle(
             "canaries": "partitions/canaries.json" if pset.canaries is not None else None,
         },
     )
+
+
+def audit_for_bundle(pset: PartitionSet, *, allow_failed_audit: bool = False) -> dict[str, Any]:
+    """Audit ``pset`` before bundling and return the bundle's ``audit`` field.
+
+    The field is :meth:`~scpdr.data.partition.AuditReport.to_dict` of
+    :func:`~scpdr.data.partition.audit_partitions` (with the set's canaries) plus
+    ``"overridden"`` (true when the audit failed and ``allow_failed_audit`` let it through). A
+    failing audit raises :class:`~scpdr.errors.PartitionAuditError` naming the failed checks and
+    the fix unless ``allow_failed_audit``. Used by :func:`train_bundle` and ``scpdr bundle``.
+    """
+    from scpdr.data.partition import audit_partitions
+    from scpdr.errors import PartitionAuditError
+
+    report = audit_partitions(pset.manifest, pset.records(), canaries=pset.canaries)
+    audit = report.to_dict()
+    if not report.passed:
+        if not allow_failed_audit:
+            failed = ", ".join(  # the non-empty lists: exact/near-duplicate overlaps, errors
+                k.replace("_", " ") for k, v in audit.items() if isinstance(v, list) and v
+            )
+            raise PartitionAuditError(
+                f"{report.summary()}\nFailed checks: {failed}. Re-partition the data "
+                "(`scpdr partition`) so that no record or near-duplicate is shared between "
+                "partitions, or, knowingly, override the audit (`--allow-failed-audit`, "
+                "allow_failed_audit=True in Python); the override is recorded in the bundle."
+            )
+        logger.warning("partition audit FAILED; continuing because it was overridden")
+    audit["overridden"] = bool(allow_failed_audit and not report.passed)
+    return audit
