@@ -30,7 +30,7 @@ import logging
 import re
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -368,12 +368,30 @@ def _engine_error(exc: BaseException) -> APIError:
     return _internal()
 
 
-async def _collect(stream: Any, choices: list[_Choice]) -> None:
+class _StreamFailed(Exception):
+    """The engine failed a request mid-stream; ``error`` is what the client is told."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+async def _events(stream: Any) -> AsyncIterator[tuple[int, Any]]:
+    """The engine's ``(choice index, event)`` pairs; a ``Failed`` event cancels the stream and
+    raises :class:`_StreamFailed`, so every endpoint answers an engine failure alike."""
     async for index, event in stream.events():
         if isinstance(event, Failed):
             stream.cancel()
-            raise _engine_error(event.error)
-        _apply(choices[index], event)
+            raise _StreamFailed(_engine_error(event.error))
+        yield index, event
+
+
+async def _collect(stream: Any, choices: list[_Choice]) -> None:
+    try:
+        async for index, event in _events(stream):
+            _apply(choices[index], event)
+    except _StreamFailed as exc:
+        raise exc.error from None
 
 
 def _submit(state: ServingState, seqs: list[tuple[list[int], SamplingParams]]) -> Any:
@@ -405,14 +423,115 @@ def _usage(choices: Sequence[_Choice], n: int) -> P.Usage:
     )
 
 
+_DONE = "data: [DONE]\n\n"
+
+_GenerationRequest = P.CompletionRequest | P.ChatCompletionRequest
+_Inputs = tuple[list[_Choice], list[tuple[list[int], SamplingParams]]]
+
+
+async def _sse_stream(
+    state: ServingState,
+    req: _GenerationRequest,
+    stream: Any,
+    choices: list[_Choice],
+    rid: str,
+    created: int,
+    *,
+    body: AsyncIterator[str],
+    chunk_type: type[P.CompletionChunk] | type[P.ChatCompletionChunk],
+) -> AsyncIterator[str]:
+    """Frame a streamed response: ``body``'s events, the usage event if the request asked for it,
+    then ``[DONE]``. An engine failure, or any error once the stream has started, is sent as an
+    SSE error event before ``[DONE]``; the engine stream is cancelled however it ends."""
+    try:
+        async for data in body:
+            yield data
+        if req.include_usage_in_stream():
+            usage = _usage(choices, req.n)
+            yield _sse(
+                chunk_type(
+                    id=rid, created=created, model=state.config.model_name, choices=[], usage=usage
+                )
+            )
+        yield _DONE
+    except _StreamFailed as exc:
+        yield _sse(exc.error.body())
+        yield _DONE
+    except Exception:  # an error after the stream started: SSE error event, then [DONE]
+        logger.exception("streamed response %s failed", rid)
+        stream.cancel()
+        yield _sse(_internal().body())
+        yield _DONE
+    finally:
+        stream.cancel()
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """What differs between the generation endpoints; :func:`_respond` is what they share."""
+
+    inputs: Callable[[ServingState, Any], _Inputs]  # validated choices and engine sequences
+    id_prefix: str  # of the response id
+    stream_body: Callable[..., AsyncIterator[str]]  # the SSE events of a streamed response
+    chunk_type: type[P.CompletionChunk] | type[P.ChatCompletionChunk]  # of the usage event
+    build: Callable[..., BaseModel]  # the response once every choice is collected
+
+
+async def _respond(state: ServingState, req: _GenerationRequest, endpoint: _Endpoint) -> Response:
+    """The one flow of both generation endpoints: validate, submit to the engine, then stream the
+    endpoint's SSE events or collect every choice and answer the endpoint's response."""
+    state.check_model(req.model)
+    choices, seqs = endpoint.inputs(state, req)
+    rid, created = P.new_id(endpoint.id_prefix), P.now()
+    stream = _submit(state, seqs)
+    if req.stream:
+        body = endpoint.stream_body(state, req, stream, choices, rid, created)
+        events = _sse_stream(
+            state, req, stream, choices, rid, created, body=body, chunk_type=endpoint.chunk_type
+        )
+        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    try:
+        await _collect(stream, choices)
+    finally:
+        stream.cancel()
+    return _json(endpoint.build(state, req, choices, rid, created))
+
+
+def _add_choices(
+    choices: list[_Choice],
+    seqs: list[tuple[list[int], SamplingParams]],
+    req: _GenerationRequest,
+    text: str,
+    ids: list[int],
+    *,
+    max_new: int,
+    logprobs: int | None,
+    echo_logprobs: bool = False,
+) -> None:
+    """Append the ``req.n`` choices of one prompt (``ids``, shown as ``text``) and their engine
+    sequences; choice ``j`` samples with ``seed_for(req.seed, j)``."""
+    stop = tuple(req.stop_list())
+    for j in range(req.n):
+        params = SamplingParams(
+            max_tokens=max_new,
+            temperature=req.effective_temperature(),
+            top_p=req.effective_top_p(),
+            top_k=req.effective_top_k(),
+            stop=stop,
+            seed=seed_for(req.seed, j),
+            logprobs=logprobs,
+            echo_logprobs=echo_logprobs,
+        )
+        choices.append(_Choice(prompt_text=text, prompt_ids=ids))
+        seqs.append((ids, params))
+
+
 # ------------------------------------------------------------------------------------------------
 # /v1/completions
 # ------------------------------------------------------------------------------------------------
 
 
-def _completion_inputs(
-    state: ServingState, req: P.CompletionRequest
-) -> tuple[list[_Choice], list[tuple[list[int], SamplingParams]]]:
+def _completion_inputs(state: ServingState, req: P.CompletionRequest) -> _Inputs:
     try:
         prompts = req.prompts()
     except ValueError as exc:
@@ -420,7 +539,6 @@ def _completion_inputs(
     state.check_sequences(len(prompts) * req.n)
     choices: list[_Choice] = []
     seqs: list[tuple[list[int], SamplingParams]] = []
-    stop = tuple(req.stop_list())
     for p in prompts:
         if isinstance(p, str):
             ids = state.encode(p, add_special_tokens=True)
@@ -432,19 +550,16 @@ def _completion_inputs(
         max_new = state.max_new_tokens(len(ids), req.max_tokens, param="max_tokens")
         if req.echo and not text:
             text = state.tokenizer.decode(ids)
-        for j in range(req.n):
-            params = SamplingParams(
-                max_tokens=max_new,
-                temperature=req.effective_temperature(),
-                top_p=req.effective_top_p(),
-                top_k=req.effective_top_k(),
-                stop=stop,
-                seed=seed_for(req.seed, j),
-                logprobs=req.logprobs,
-                echo_logprobs=req.echo and req.logprobs is not None,
-            )
-            choices.append(_Choice(prompt_text=text, prompt_ids=ids))
-            seqs.append((ids, params))
+        _add_choices(
+            choices,
+            seqs,
+            req,
+            text,
+            ids,
+            max_new=max_new,
+            logprobs=req.logprobs,
+            echo_logprobs=req.echo and req.logprobs is not None,
+        )
     return choices, seqs
 
 
@@ -539,49 +654,42 @@ async def _stream_completion(
         )
 
     none = slice(0, 0)
-    try:
-        async for i, event in stream.events():
-            c = choices[i]
-            if isinstance(event, Failed):
-                stream.cancel()
-                yield _sse(_engine_error(event.error).body())
-                yield "data: [DONE]\n\n"
-                return
-            if isinstance(event, PromptLogprobs):  # sent with the echo chunk
-                _apply(c, event)
-                continue
-            if not started[i] and req.echo:  # the echoed prompt comes first
-                started[i] = True
-                lp = None
-                if req.logprobs is not None:
-                    lp = _completion_logprobs(state, c, [], k=req.logprobs, echo_prompt=True)
-                offsets[i] = len(c.prompt_text)
-                yield _sse(chunk(i, c.prompt_text, lp, None, none, list_prompt=True))
+    async for i, event in _events(stream):
+        c = choices[i]
+        if isinstance(event, PromptLogprobs):  # sent with the echo chunk
             _apply(c, event)
-            if isinstance(event, TokenOutput):
-                lp = None
-                if req.logprobs is not None:
-                    lp = _completion_logprobs(
-                        state, c, [event], k=req.logprobs, echo_prompt=False, start=offsets[i]
-                    )
-                offsets[i] += len(event.text)
-                n = len(c.tokens)
-                yield _sse(chunk(i, event.text, lp, None, slice(n - 1, n)))
-            elif isinstance(event, Finished):
-                yield _sse(chunk(i, event.text, None, event.finish_reason, none))
-        if req.include_usage_in_stream():
-            usage = P.CompletionChunk(
-                id=rid, created=created, model=model, choices=[], usage=_usage(choices, req.n)
-            )
-            yield _sse(usage)
-        yield "data: [DONE]\n\n"
-    except Exception:  # an error after the stream started: SSE error event, then [DONE]
-        logger.exception("streamed completion %s failed", rid)
-        stream.cancel()
-        yield _sse(_internal().body())
-        yield "data: [DONE]\n\n"
-    finally:
-        stream.cancel()
+            continue
+        if not started[i] and req.echo:  # the echoed prompt comes first
+            started[i] = True
+            lp = None
+            if req.logprobs is not None:
+                lp = _completion_logprobs(state, c, [], k=req.logprobs, echo_prompt=True)
+            offsets[i] = len(c.prompt_text)
+            yield _sse(chunk(i, c.prompt_text, lp, None, none, list_prompt=True))
+        _apply(c, event)
+        if isinstance(event, TokenOutput):
+            lp = None
+            if req.logprobs is not None:
+                lp = _completion_logprobs(
+                    state, c, [event], k=req.logprobs, echo_prompt=False, start=offsets[i]
+                )
+            offsets[i] += len(event.text)
+            n = len(c.tokens)
+            yield _sse(chunk(i, event.text, lp, None, slice(n - 1, n)))
+        elif isinstance(event, Finished):
+            yield _sse(chunk(i, event.text, None, event.finish_reason, none))
+
+
+def _completion_response(
+    state: ServingState, req: P.CompletionRequest, choices: list[_Choice], rid: str, created: int
+) -> P.CompletionResponse:
+    return P.CompletionResponse(
+        id=rid,
+        created=created,
+        model=state.config.model_name,
+        choices=[_completion_choice(state, req, i, c) for i, c in enumerate(choices)],
+        usage=_usage(choices, req.n),
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -627,29 +735,16 @@ def _chat_logprobs(state: ServingState, tokens: Sequence[TokenOutput], k: int) -
     return P.ChatLogprobs(content=content)
 
 
-def _chat_inputs(
-    state: ServingState, req: P.ChatCompletionRequest
-) -> tuple[list[_Choice], list[tuple[list[int], SamplingParams]]]:
+def _chat_inputs(state: ServingState, req: P.ChatCompletionRequest) -> _Inputs:
     state.check_sequences(req.n)
     text = _chat_prompt(state, req.messages, gen=True)
     ids = state.encode(text, add_special_tokens=False)
     state.check_ids(ids, param="messages")
     max_new = state.max_new_tokens(len(ids), req.max_new_tokens(), param="max_completion_tokens")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    stop = tuple(req.stop_list())
-    choices, seqs = [], []
-    for j in range(req.n):
-        params = SamplingParams(
-            max_tokens=max_new,
-            temperature=req.effective_temperature(),
-            top_p=req.effective_top_p(),
-            top_k=req.effective_top_k(),
-            stop=stop,
-            seed=seed_for(req.seed, j),
-            logprobs=top,
-        )
-        choices.append(_Choice(prompt_text=text, prompt_ids=ids))
-        seqs.append((ids, params))
+    choices: list[_Choice] = []
+    seqs: list[tuple[list[int], SamplingParams]] = []
+    _add_choices(choices, seqs, req, text, ids, max_new=max_new, logprobs=top)
     return choices, seqs
 
 
@@ -672,49 +767,71 @@ async def _stream_chat(
             choices=[P.ChatChunkChoice(index=i, delta=delta, **kw)],
         )
 
-    try:
-        for i in range(len(choices)):  # the role comes first, in its own delta
-            yield _sse(chunk(i, P.DeltaMessage(role="assistant", content="")))
-        async for i, event in stream.events():
-            if isinstance(event, Failed):
-                stream.cancel()
-                yield _sse(_engine_error(event.error).body())
-                yield "data: [DONE]\n\n"
-                return
-            _apply(choices[i], event)
-            n = len(choices[i].tokens)
-            if isinstance(event, TokenOutput):
-                yield _sse(
-                    chunk(
-                        i,
-                        P.DeltaMessage(content=event.text),
-                        logprobs=_chat_logprobs(state, [event], k) if req.logprobs else None,
-                        naf=state.certificate(choices[i].tokens, listed=slice(n - 1, n)),
-                    )
-                )
-            elif isinstance(event, Finished):
-                yield _sse(
-                    chunk(
-                        i,
-                        P.DeltaMessage(content=event.text or None),
-                        finish_reason=event.finish_reason,
-                        naf=state.certificate(choices[i].tokens, listed=slice(n, n)),
-                    )
-                )
-        if req.include_usage_in_stream():
+    for i in range(len(choices)):  # the role comes first, in its own delta
+        yield _sse(chunk(i, P.DeltaMessage(role="assistant", content="")))
+    async for i, event in _events(stream):
+        _apply(choices[i], event)
+        n = len(choices[i].tokens)
+        if isinstance(event, TokenOutput):
             yield _sse(
-                P.ChatCompletionChunk(
-                    id=rid, created=created, model=model, choices=[], usage=_usage(choices, req.n)
+                chunk(
+                    i,
+                    P.DeltaMessage(content=event.text),
+                    logprobs=_chat_logprobs(state, [event], k) if req.logprobs else None,
+                    naf=state.certificate(choices[i].tokens, listed=slice(n - 1, n)),
                 )
             )
-        yield "data: [DONE]\n\n"
-    except Exception:
-        logger.exception("streamed chat completion %s failed", rid)
-        stream.cancel()
-        yield _sse(_internal().body())
-        yield "data: [DONE]\n\n"
-    finally:
-        stream.cancel()
+        elif isinstance(event, Finished):
+            yield _sse(
+                chunk(
+                    i,
+                    P.DeltaMessage(content=event.text or None),
+                    finish_reason=event.finish_reason,
+                    naf=state.certificate(choices[i].tokens, listed=slice(n, n)),
+                )
+            )
+
+
+def _chat_response(
+    state: ServingState,
+    req: P.ChatCompletionRequest,
+    choices: list[_Choice],
+    rid: str,
+    created: int,
+) -> P.ChatCompletionResponse:
+    k = req.top_logprobs or 0
+    return P.ChatCompletionResponse(
+        id=rid,
+        created=created,
+        model=state.config.model_name,
+        choices=[
+            P.ChatChoice(
+                index=i,
+                message=P.AssistantMessage(content=c.completion_text),
+                logprobs=_chat_logprobs(state, c.tokens, k) if req.logprobs else None,
+                finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                naf=state.certificate(c.tokens),
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=_usage(choices, req.n),
+    )
+
+
+_COMPLETIONS = _Endpoint(
+    inputs=_completion_inputs,
+    id_prefix="cmpl",
+    stream_body=_stream_completion,
+    chunk_type=P.CompletionChunk,
+    build=_completion_response,
+)
+_CHAT_COMPLETIONS = _Endpoint(
+    inputs=_chat_inputs,
+    id_prefix="chatcmpl",
+    stream_body=_stream_chat,
+    chunk_type=P.ChatCompletionChunk,
+    build=_chat_response,
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -906,65 +1023,11 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest) -> Response:
-        state.check_model(req.model)
-        choices, seqs = _completion_inputs(state, req)
-        rid, created = P.new_id("cmpl"), P.now()
-        stream = _submit(state, seqs)
-        if req.stream:
-            return StreamingResponse(
-                _stream_completion(state, req, stream, choices, rid, created),
-                media_type="text/event-stream",
-                headers=_SSE_HEADERS,
-            )
-        try:
-            await _collect(stream, choices)
-        finally:
-            stream.cancel()
-        return _json(
-            P.CompletionResponse(
-                id=rid,
-                created=created,
-                model=config.model_name,
-                choices=[_completion_choice(state, req, i, c) for i, c in enumerate(choices)],
-                usage=_usage(choices, req.n),
-            )
-        )
+        return await _respond(state, req, _COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest) -> Response:
-        state.check_model(req.model)
-        choices, seqs = _chat_inputs(state, req)
-        rid, created = P.new_id("chatcmpl"), P.now()
-        stream = _submit(state, seqs)
-        if req.stream:
-            return StreamingResponse(
-                _stream_chat(state, req, stream, choices, rid, created),
-                media_type="text/event-stream",
-                headers=_SSE_HEADERS,
-            )
-        try:
-            await _collect(stream, choices)
-        finally:
-            stream.cancel()
-        k = req.top_logprobs or 0
-        return _json(
-            P.ChatCompletionResponse(
-                id=rid,
-                created=created,
-                model=config.model_name,
-                choices=[
-                    P.ChatChoice(
-                        index=i,
-                        message=P.AssistantMessage(content=c.completion_text),
-                        logprobs=_chat_logprobs(state, c.tokens, k) if req.logprobs else None,
-                        finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                        naf=state.certificate(c.tokens),
-                    )
-                    for i, c in enumerate(choices)
-                ],
-                usage=_usage(choices, req.n),
-            )
-        )
+        return await _respond(state, req, _CHAT_COMPLETIONS)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
