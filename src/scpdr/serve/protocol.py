@@ -325,23 +325,27 @@ class CompletionChoice(_Response):
     naf: NafCertificate
 
 
-class CompletionResponse(_Response):
+class _Envelope(_Response):
+    """The fields every generation response and stream chunk opens with, in OpenAI's order;
+    each subclass narrows ``object`` to its literal (the field keeps its place)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage
     system_fingerprint: str | None = None
 
 
-class CompletionChunk(_Response):
+class CompletionChunk(_Envelope):
     """One SSE event of a streamed completion; the usage event has no choices."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -410,10 +414,7 @@ class TopLogprob(_Response):
     bytes: list[int] | None
 
 
-class ChatTokenLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None
+class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
@@ -434,11 +435,8 @@ class ChatChoice(_Response):
     naf: NafCertificate
 
 
-class ChatCompletionResponse(_Response):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
@@ -457,11 +455,8 @@ class ChatChunkChoice(_Response):
     naf: NafCertificate | None = None
 
 
-class ChatCompletionChunk(_Response):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
