@@ -136,6 +136,16 @@ def _field(out: Any, name: str) -> Any:
     return getattr(out, name, None)
 
 
+def _first_field(out: Any, *names: str) -> Any:
+    """The first of ``names`` that ``out`` has (as a key or attribute) and is not None, else
+    None: the output adapters accept each field under any of its usual names."""
+    for name in names:
+        val = _field(out, name)
+        if val is not None:
+            return val
+    return None
+
+
 def _greedy_of(out: Any) -> tuple[Tensor, Tensor | None]:
     """(greedy ids[B, T-1], their log-probs[B, T-1] or None) from a ``score(greedy=True)`` output."""
     g = _field(out, "greedy")
@@ -145,13 +155,9 @@ def _greedy_of(out: Any) -> tuple[Tensor, Tensor | None]:
         return g[0], g[1]
     if isinstance(g, Tensor) and _field(out, "greedy_logprobs") is not None:
         return g, _field(out, "greedy_logprobs")
-    for ids_name in ("token_ids", "ids", "tokens"):
-        ids = _field(g, ids_name)
-        if ids is not None:
-            lp = _field(g, "logprobs")
-            if lp is None:
-                lp = _field(g, "token_logprobs")
-            return ids, lp
+    ids = _first_field(g, "token_ids", "ids", "tokens")
+    if ids is not None:
+        return ids, _first_field(g, "logprobs", "token_logprobs")
     if isinstance(g, Tensor) and not g.is_floating_point():
         full = _field(out, "logprobs")
         lp = None if full is None else full.float().amax(dim=-1)
@@ -284,15 +290,11 @@ def _split_components(comp: Any) -> tuple[Tensor, Tensor | None]:
         return comp, None
     if isinstance(comp, (tuple, list)) and len(comp) == 2 and isinstance(comp[0], Tensor):
         return comp[0], comp[1]
-    for name in ("constituents", "logps", "constituent_logprobs"):
-        val = _field(comp, name)
-        if val is not None:
-            base = _field(comp, "base")
-            if base is None:
-                base = _field(comp, "base_logprobs")
-            if isinstance(val, (list, tuple)):
-                val = torch.stack(list(val))
-            return val, base
+    val = _first_field(comp, "constituents", "logps", "constituent_logprobs")
+    if val is not None:
+        if isinstance(val, (list, tuple)):
+            val = torch.stack(list(val))
+        return val, _first_field(comp, "base", "base_logprobs")
     raise TypeError(f"cannot read components from {type(comp).__name__}")
 
 
