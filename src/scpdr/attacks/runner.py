@@ -225,77 +225,90 @@ def run_eval(
         )
         log.info("%s / %s: %d examples in %.1f s", method, attack, n, dt)
 
+    def timed_rows(
+        method: str,
+        attack: str,
+        scorer: Scorer,
+        examples: list[Any],
+        rows_of: Callable[[Scorer, list[Any], str], list[ResultRow]],
+        *,
+        none_val: list[Any] | None = None,
+    ) -> None:
+        """``rows_of(scorer, examples, method)``, timed; under No CP also ``none_val`` (examples
+        no constituent trained on), as the rows of method "none-val"."""
+        timed(method, attack, len(examples), lambda: rows_of(scorer, examples, method))
+        if method == "none" and none_val:
+            timed("none-val", attack, len(none_val), lambda: rows_of(scorer, none_val, "none-val"))
+
+    def canary_rows(scorer: Scorer, canaries: list[Any], name: str) -> list[ResultRow]:
+        res = canary_exposure(
+            scorer,
+            canaries,
+            data.canary_space,
+            n_reference=opts.n_reference,
+            enumerate_limit=opts.enumerate_limit,
+            batch_size=opts.batch_size,
+            seed=opts.seed,
+        )
+        rows = res.rows(method=name, corpus=corpus)
+        if name == "none":  # never-inserted canaries under No CP: "none-val"
+            rows += _none_val_canary_rows(rows)
+        return rows
+
+    def pii_rows(scorer: Scorer, recs: list[Any], name: str) -> list[ResultRow]:
+        res = pii_extraction(scorer, recs, batch_size=opts.batch_size)
+        return res.rows(method=name, corpus=corpus)
+
+    def tte_rows(scorer: Scorer, ex: list[Any], name: str) -> list[ResultRow]:
+        res = token_by_token_extraction(
+            scorer,
+            ex,
+            q_scorer=q_scorer if opts.tte_q_fails else None,
+            max_tokens=opts.tte_max_tokens,
+            batch_size=opts.batch_size,
+        )
+        return res.rows(method=name, corpus=corpus)
+
+    def utility_rows(scorer: Scorer, val: list[Any], name: str) -> list[ResultRow]:
+        res = utility(scorer, val, max_tokens=opts.utility_max_tokens, batch_size=opts.batch_size)
+        return res.rows(method=name, corpus=corpus)
+
+    # attack -> (examples, "none-val" examples, rows_of, what is missing when there are none)
+    per_example = {
+        "canary": (
+            list(data.canaries) if data.canary_space is not None else [],
+            None,
+            canary_rows,
+            "no canaries in the data",
+        ),
+        "pii": (
+            _take(data.pii, opts.pii_n),
+            _take(data.pii_val, opts.pii_n),
+            pii_rows,
+            "no Names2IDs records in the data",
+        ),
+        "tte": (
+            _take(data.train, opts.tte_n),
+            _take(data.validation, opts.tte_n),
+            tte_rows,
+            "no training texts",
+        ),
+        "utility": (
+            _take(data.validation, opts.utility_n),
+            None,
+            utility_rows,
+            "no validation texts",
+        ),
+    }
+
     for method, scorer in scorers.items():
         for attack in attacks:
-            if attack == "canary":
-                if not data.canaries or data.canary_space is None:
-                    log.info("canary: no canaries in the data, skipped")
+            if attack in per_example:
+                examples, none_val, rows_of, missing = per_example[attack]
+                if not examples:
+                    log.info("%s: %s, skipped", attack, missing)
                     continue
-
-                def run_canary(method=method, scorer=scorer) -> list[ResultRow]:
-                    res = canary_exposure(
-                        scorer,
-                        data.canaries,
-                        data.canary_space,
-                        n_reference=opts.n_reference,
-                        enumerate_limit=opts.enumerate_limit,
-                        batch_size=opts.batch_size,
-                        seed=opts.seed,
-                    )
-                    rows = res.rows(method=method, corpus=corpus)
-                    if method == "none":  # never-inserted canaries under No CP: "none-val"
-                        rows += _none_val_canary_rows(rows)
-                    return rows
-
-                timed(method, "canary", len(data.canaries), run_canary)
-            elif attack == "pii":
-                recs = _take(data.pii, opts.pii_n)
-                if not recs:
-                    log.info("pii: no Names2IDs records in the data, skipped")
-                    continue
-                timed(
-                    method,
-                    "pii",
-                    len(recs),
-                    lambda method=method, scorer=scorer, recs=recs: pii_extraction(
-                        scorer, recs, batch_size=opts.batch_size
-                    ).rows(method=method, corpus=corpus),
-                )
-                val = _take(data.pii_val, opts.pii_n)
-                if method == "none" and val:
-                    timed(
-                        "none-val",
-                        "pii",
-                        len(val),
-                        lambda scorer=scorer, val=val: pii_extraction(
-                            scorer, val, batch_size=opts.batch_size
-                        ).rows(method="none-val", corpus=corpus),
-                    )
-            elif attack == "tte":
-                ex = _take(data.train, opts.tte_n)
-                if not ex:
-                    log.info("tte: no training texts, skipped")
-                    continue
-
-                def run_tte(method=method, scorer=scorer, ex=ex, name=None) -> list[ResultRow]:
-                    res = token_by_token_extraction(
-                        scorer,
-                        ex,
-                        q_scorer=q_scorer if opts.tte_q_fails else None,
-                        max_tokens=opts.tte_max_tokens,
-                        batch_size=opts.batch_size,
-                    )
-                    return res.rows(method=name or method, corpus=corpus)
-
-                timed(method, "tte", len(ex), run_tte)
-                val = _take(data.validation, opts.tte_n)
-                if method == "none" and val:
-                    timed(
-                        "none-val",
-                        "tte",
-                        len(val),
-                        lambda scorer=scorer, val=val: run_tte("none", scorer, val, "none-val"),
-                    )
+                timed_rows(method, attack, scorer, examples, rows_of, none_val=none_val)
             elif attack == "lira":
                 members = _take(
                     data.members if data.members is not None else data.train, opts.lira_n
@@ -324,19 +337,6 @@ def run_eval(
                     return res.rows(method=method, corpus=corpus)
 
                 timed(method, "lira", len(members) + len(non), run_lira)
-            elif attack == "utility":
-                val = _take(data.validation, opts.utility_n)
-                if not val:
-                    log.info("utility: no validation texts, skipped")
-                    continue
-                timed(
-                    method,
-                    "utility",
-                    len(val),
-                    lambda method=method, scorer=scorer, val=val: utility(
-                        scorer, val, max_tokens=opts.utility_max_tokens, batch_size=opts.batch_size
-                    ).rows(method=method, corpus=corpus),
-                )
     return rep
 
 
