@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,9 @@ __all__ = [
     "EvalData",
     "EvalOptions",
     "EvalReport",
+    "bundle_bases",
+    "bundle_data_dir",
+    "check_attacks",
     "load_bundle_scorers",
     "resolve_method",
     "run_eval",
@@ -176,6 +179,13 @@ class EvalReport:
         return out
 
 
+def check_attacks(attacks: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` naming any of ``attacks`` that is not in :data:`ATTACKS`."""
+    bad = [a for a in attacks if a not in ATTACKS]
+    if bad:
+        raise ConfigError(f"unknown attack(s) {bad}; known: {', '.join(ATTACKS)}")
+
+
 def _take(xs: Sequence[Any] | None, n: int | None) -> list[Any]:
     xs = list(xs or [])
     return xs if n is None else xs[:n]
@@ -194,9 +204,7 @@ def run_eval(
     ``scorers``. ``reference(method)`` (or a mapping) gives LiRA's reference scorer for a method
     (trained without the members); ``q_scorer`` enables TTE's "q fails" rows."""
     opts = options or EvalOptions()
-    bad = [a for a in attacks if a not in ATTACKS]
-    if bad:
-        raise ConfigError(f"unknown attack(s) {bad}; known: {', '.join(ATTACKS)}")
+    check_attacks(attacks)
     ref_of: Callable[[str], Scorer | None]
     if reference is None:
         ref_of = lambda _m: None  # noqa: E731
@@ -357,6 +365,40 @@ def _none_val_canary_rows(rows: list[ResultRow]) -> list[ResultRow]:
 # ------------------------------------------------------------------------------------ scorers
 
 
+def bundle_data_dir(
+    bundle: str | Path, manifest: Any, data: str | Path | None = None, *, instead: str = ""
+) -> Path:
+    """The partition directory of ``bundle``: ``data`` when given, else the manifest's
+    ``extra.partitions`` (relative to the bundle; ``scpdr train`` records it). ``instead``
+    names another option the error suggests (``"--prompts FILE or "``)."""
+    if data is not None:
+        return Path(data)
+    rel = manifest.extra.get("partitions")
+    if not rel:
+        raise ConfigError(
+            f"bundle {bundle} does not say where its data is (no extra.partitions); pass "
+            f"{instead}--data DIR, the partition directory written by `scpdr partition`"
+        )
+    return Path(bundle) / rel
+
+
+def bundle_bases(bundle: str | Path, manifest: Any, sources: Iterable[str | None]) -> Any:
+    """Check that ``bundle`` has the bases that methods with these base ``sources`` (``"model"``
+    for the '-b' variants, ``"constant"`` for '-c', None) need; return the constant base vector
+    when one needs it, else None."""
+    from scpdr import models as M
+
+    sources = set(sources)
+    if "model" in sources and manifest.base is None:
+        raise ConfigError(f"bundle {bundle} has no base model: drop the '-b' methods")
+    if "constant" not in sources:
+        return None
+    base_vector = M.load_constant_base(bundle, manifest)
+    if base_vector is None:
+        raise ConfigError(f"bundle {bundle} stores no constant base vector: drop the '-c' methods")
+    return base_vector
+
+
 def load_bundle_scorers(
     path: str | Path,
     methods: Sequence[str],
@@ -380,17 +422,10 @@ def load_bundle_scorers(
     manifest = M.read_bundle(path)
     tok = M.load_tokenizer(manifest.resolve(path, manifest.tokenizer))
     cons = [M.load_model(manifest.resolve(path, r), dtype=dtype) for r in manifest.constituents]
-    base_model = base_vector = None
+    base_vector = bundle_bases(path, manifest, [src for _, src in specs.values()])
+    base_model = None
     if any(src == "model" for _, src in specs.values()):
-        if manifest.base is None:
-            raise ConfigError(f"bundle {path} has no base model; use the '-c' variants")
         base_model = M.load_model(manifest.resolve(path, manifest.base), dtype=dtype)
-    if any(src == "constant" for _, src in specs.values()):
-        base_vector = M.load_constant_base(path, manifest)
-        if base_vector is None:
-            raise ConfigError(
-                f"bundle {path} stores no constant base vector; use the '-b' variants"
-            )
     mm = manifest.m if m is None else m
 
     def build(models: list[Any], name: str) -> Scorer:

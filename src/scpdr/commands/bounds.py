@@ -55,29 +55,22 @@ def bounds(
         split_bound_method,
     )
     from scpdr.attacks.results import save_results
-    from scpdr.attacks.runner import EvalData
+    from scpdr.attacks.runner import EvalData, bundle_bases, bundle_data_dir
     from scpdr.attacks.scorer import encode
+    from scpdr.commands.eval import _split
     from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
     from scpdr.protected import ProtectedLM
 
     log = logging.getLogger(__name__)
-    method_list = [x.strip() for x in methods.split(",") if x.strip()]
+    method_list = _split(methods)
     specs = {name: split_bound_method(name) for name in method_list}
     manifest = M.read_bundle(bundle)
+    base_vector = bundle_bases(bundle, manifest, [src for _, src in specs.values()])
     use_base = manifest.base is not None
-    if not use_base and any(src == "model" for _, src in specs.values()):
-        raise ConfigError(f"bundle {bundle} has no base model: drop the '-b' methods")
     scorer = ProtectedLM.from_bundle(
         bundle, method="scp-delta-r", m=m, base="model" if use_base else "constant"
     )
-    base_vector = None
-    if any(src == "constant" for _, src in specs.values()):
-        base_vector = M.load_constant_base(bundle, manifest)
-        if base_vector is None:
-            raise ConfigError(
-                f"bundle {bundle} stores no constant base vector: drop the '-c' methods"
-            )
     ref_scorer = None
     if reference is not None:
         ref_scorer = ProtectedLM.from_model(M.load_model(reference), scorer.tokenizer)
@@ -92,14 +85,7 @@ def bounds(
         else:
             typical = [ln for ln in prompts.read_text(encoding="utf-8").splitlines() if ln.strip()]
     else:
-        if data is None:
-            rel = manifest.extra.get("partitions")
-            if not rel:
-                raise ConfigError(
-                    f"bundle {bundle} records no data (extra.partitions): pass --prompts FILE or "
-                    "--data DIR"
-                )
-            data = Path(bundle) / rel
+        data = bundle_data_dir(bundle, manifest, data, instead="--prompts FILE or ")
         ed = EvalData.from_partitions(data, corpus=corpus)
         typical, name, space = ed.train, ed.corpus, ed.canary_space
         canaries = [c for c in ed.canaries if c.repetitions > 0]

@@ -75,34 +75,25 @@ def eval_(
     from scpdr.attacks.lira import plot_roc
     from scpdr.attacks.results import save_results
     from scpdr.attacks.runner import (
-        ATTACKS,
         EvalData,
         EvalOptions,
+        bundle_data_dir,
+        check_attacks,
         load_bundle_scorers,
         resolve_method,
         run_eval,
     )
-    from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
     from scpdr.models import read_bundle
 
     log = logging.getLogger(__name__)
     attack_list = _split(attacks)
-    bad = [a for a in attack_list if a not in ATTACKS]
-    if bad:
-        raise ConfigError(f"unknown attack(s) {bad}; known: {', '.join(ATTACKS)}")
+    check_attacks(attack_list)  # before any model is loaded
     method_list = _split(methods)
     for name in method_list:
         resolve_method(name)
     manifest = read_bundle(bundle)
-    if data is None:
-        rel = manifest.extra.get("partitions")
-        if not rel:
-            raise ConfigError(
-                f"bundle {bundle} does not say where its data is (no extra.partitions); pass "
-                "--data DIR, the partition directory written by `scpdr partition`"
-            )
-        data = Path(bundle) / rel
+    data = bundle_data_dir(bundle, manifest, data)
     dataset_name = (manifest.extra.get("dataset") or {}).get("name")
     eval_data = EvalData.from_partitions(data, target=target, corpus=corpus or dataset_name)
     if members is not None:
