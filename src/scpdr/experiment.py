@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from scpdr.errors import ConfigError, ScpdrError
 from scpdr.io import atomic_write_json, read_json
+from scpdr.report.tables import MAIN_TABLE_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +63,7 @@ METHOD_SPECS: dict[str, tuple[str, str]] = {
 }
 """Result-row method name → (``ProtectedLM`` method, base variant: "model" or "constant")."""
 
-DEFAULT_METHODS: tuple[str, ...] = (
-    "none",
-    "cp-delta",
-    "cp-kl",
-    "cp-fuse",
-    "cp-delta-r",
-    "scp-delta-r-c",
-    "scp-delta-r-b",
-)
+DEFAULT_METHODS: tuple[str, ...] = MAIN_TABLE_METHODS
 """The rows of the paper's main table (Table 3), in its order."""
 
 SMOOTHED_METHODS = frozenset({"scp-delta-r-b", "scp-delta-r-c", "scp-delta"})
