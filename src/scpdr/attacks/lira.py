@@ -1,16 +1,29 @@
 """LiRA membership inference (§4.2 "Likelihood ratio attack", Theorems 4.4/4.5, App. C.1).
 
 The paper's bounds (``t_x``, ``v_x``) bound the likelihood ratio ``r1(y|x) / r0(y|x)`` of the
-target against a reference model trained without the targets; LiRA thresholds that ratio, which
-is the optimal membership test under the assumptions of App. C.1 (Sablayrolles et al. 2019).
-Here it is run offline with one reference scorer: per example the statistic is the mean (or
-sum) over its tokens of ``log r1(x_t|x_<t) - log r0(x_t|x_<t)`` — with one reference model and a
-global variance, Carlini et al.'s offline LiRA is a monotone function of this difference, so the
-ROC is the same. Members are target training examples; non-members are held out.
+target ``r1`` against a reference ``r0`` trained without the targets, given a prefix ``x`` the
+adversary holds and a candidate continuation ``y``; thresholding that ratio is the optimal
+membership test under the assumptions of App. C.1 (Sablayrolles et al. 2019). The paper states
+it but runs no LiRA experiment (§5.1: its empirical attacks are reference-free); this module is
+that attack, made concrete:
 
-Reported: ROC AUC and TPR at 1% and 0.1% FPR (the largest TPR whose FPR is at most the level;
-with fewer than ``1/level`` non-members only FPR = 0 qualifies, so ``n_nonmembers`` is reported
-too), and :func:`plot_roc` draws the log-scale ROC (matplotlib, Agg backend).
+- one reference scorer, trained without the members (offline; for a NAF method the worst case of
+  Theorem 4.5 is the same method over ``(p0, q)``), and no per-example Gaussian fit — the paper's
+  statistic is the ratio itself (Carlini et al.'s Gaussian LiRA needs many shadow models);
+- per example the statistic is ``log r1(y|x) - log r0(y|x) = sum_t [log r1(y_t|x, y_<t) -
+  log r0(y_t|x, y_<t)]`` over the tokens of ``y`` (the chain rule: the log of the ratio of the
+  continuation's likelihoods; ``statistic="mean"`` divides by its length instead, which is not a
+  likelihood ratio and ranks examples of different lengths differently);
+- ``y`` is what the adversary does not already hold: for a ``(prompt, response)`` example (a
+  ``Record`` with a prompt, or a pair of strings) only the response tokens are scored,
+  conditioned on the prompt — for Names2IDs the ID digits given ``"Name: <name>, ID:"``, the PII
+  game of §5.1; a plain text (or a token list) is scored from its second token on (every token
+  given the ones before it, as in TTE). Members and non-members go through the same rule.
+
+Higher statistic = predicted member. Reported: ROC AUC and TPR at 1% and 0.1% FPR (the largest
+TPR whose FPR is at most the level; with fewer than ``1/level`` non-members only FPR = 0
+qualifies, so ``n_nonmembers`` is reported too), and :func:`plot_roc` draws the log-scale ROC
+(matplotlib, Agg backend).
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,28 +120,77 @@ class LiRAResult:
         return out
 
 
+def _prompt_response(x: Any) -> tuple[str, str] | None:
+    """``(prompt, full text)`` of a prompted example, ``None`` for a plain text / token list."""
+    if isinstance(x, tuple) and len(x) == 2 and all(isinstance(v, str) for v in x):
+        prompt, response = x
+        return (prompt, prompt + response) if prompt else None
+    prompt = getattr(x, "prompt", None)
+    if not isinstance(prompt, str) or not prompt:
+        return None
+    text = getattr(x, "text", None)
+    if isinstance(text, str) and text.startswith(prompt):
+        return prompt, text  # what the constituent was trained on
+    return prompt, prompt + str(getattr(x, "response", None) or "")
+
+
+def _example_ids(tok: Any, x: Any, *, max_tokens: int | None, label: str) -> tuple[list[int], int]:
+    """(token IDs, index of the first scored token) of one example."""
+    if isinstance(x, str):
+        ids, start = encode(tok, x), 1
+    elif (pr := _prompt_response(x)) is not None:
+        prompt, full = pr
+        ids, p_ids = encode(tok, full), encode(tok, prompt)
+        start = 0  # the tokens the prompt and the full text share (a merge at the seam is scored)
+        while start < min(len(ids), len(p_ids)) and ids[start] == p_ids[start]:
+            start += 1
+        start = max(start, 1)
+    elif isinstance(x, Sequence) and all(isinstance(v, (int, np.integer)) for v in x):
+        ids, start = [int(v) for v in x], 1
+    else:
+        text = getattr(x, "text", None)
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"LiRA {label} is a {type(x).__name__}: pass a text, a token list, a "
+                "(prompt, response) pair or a record with prompt/response or text"
+            )
+        ids, start = encode(tok, text), 1
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) <= start:
+        raise ConfigError(
+            f"LiRA {label} has no token to score ({len(ids)} tokens; scored tokens start at "
+            f"index {start}{'' if max_tokens is None else f', max_tokens={max_tokens}'}): give it a "
+            "non-empty response / at least 2 tokens, or raise max_tokens"
+        )
+    return ids, start
+
+
 def _seq_stats(
     target: Scorer,
     reference: Scorer,
     seqs: list[list[int]],
+    starts: list[int],
     *,
     statistic: str,
     batch_size: int,
     cache: dict | None,
 ) -> np.ndarray:
     t = batched_token_logprobs(target, seqs, batch_size=batch_size)
-    key = (id(reference), hash(tuple(map(tuple, seqs))))
-    if cache is not None and key in cache:
-        r = cache[key]
+    # The cache entry keeps the reference object itself: keying on id() alone would hand a
+    # later reference the scores of a freed one that happened to get the same id.
+    key = ("lira-reference", id(reference), tuple(map(tuple, seqs)))
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is reference:
+        r = hit[1]
     else:
         r = batched_token_logprobs(reference, seqs, batch_size=batch_size)
         if cache is not None:
-            cache[key] = r
+            cache[key] = (reference, r)
     out = np.empty(len(seqs))
-    for i, (a, b) in enumerate(zip(t, r, strict=True)):
-        d = (a - b).double().numpy()
-        if d.size == 0:
-            raise ConfigError(f"example {i} has fewer than 2 tokens: nothing to score")
+    for i, (a, b, start) in enumerate(zip(t, r, starts, strict=True)):
+        # position j of a teacher-forced score is the log-prob of token j + 1
+        d = (a - b).double().numpy()[start - 1 :]
         out[i] = d.sum() if statistic == "sum" else d.mean()
     return out
 
@@ -135,32 +198,46 @@ def _seq_stats(
 def lira(
     target: Scorer,
     reference: Scorer,
-    members: Sequence[str] | Sequence[Sequence[int]],
-    nonmembers: Sequence[str] | Sequence[Sequence[int]],
+    members: Sequence[Any],
+    nonmembers: Sequence[Any],
     *,
-    statistic: str = "mean",
+    statistic: str = "sum",
     max_tokens: int | None = None,
     batch_size: int = 16,
     cache: dict | None = None,
 ) -> LiRAResult:
     """Offline LiRA of ``target`` against ``reference`` (trained without the members; for a NAF
     method the worst case is ``CP(p0, q)`` with ``p0`` trained without them, Theorem 4.5).
-    ``statistic``: ``"mean"`` (per-token average log-ratio) or ``"sum"``. ``cache``: a dict kept
-    across calls that share a reference scorer object (e.g. ``q`` for every method), so its
-    scores are computed once."""
+
+    Examples: texts (every token after the first is scored), token lists (likewise), or
+    ``(prompt, response)`` pairs / records with a ``prompt`` (only the response is scored, given
+    the prompt: the paper's ``r1(y|x) / r0(y|x)`` with ``x`` the prefix the adversary holds).
+    ``statistic``: ``"sum"`` (default: the log-likelihood ratio of the scored tokens) or
+    ``"mean"`` (per scored token). ``max_tokens`` truncates each full example (prompt included).
+    ``cache``: a dict kept across calls that share a reference scorer object (e.g. ``q`` for
+    every method), so its scores are computed once."""
     if statistic not in ("mean", "sum"):
         raise ConfigError(f"statistic must be 'mean' or 'sum', got {statistic!r}")
     if not members or not nonmembers:
         raise ConfigError("LiRA needs at least one member and one non-member example")
     tok = target.tokenizer
-
-    def ids(xs: Sequence) -> list[list[int]]:
-        out = [encode(tok, x) if isinstance(x, str) else list(x) for x in xs]
-        return [s[:max_tokens] for s in out] if max_tokens is not None else out
-
-    seqs = ids(members) + ids(nonmembers)
+    examples = [*members, *nonmembers]
+    labels_txt = [f"member {i}" for i in range(len(members))]
+    labels_txt += [f"non-member {i}" for i in range(len(nonmembers))]
+    pairs = [
+        _example_ids(tok, x, max_tokens=max_tokens, label=lab)
+        for x, lab in zip(examples, labels_txt, strict=True)
+    ]
+    seqs = [p[0] for p in pairs]
+    starts = [p[1] for p in pairs]
     scores = _seq_stats(
-        target, reference, seqs, statistic=statistic, batch_size=batch_size, cache=cache
+        target,
+        reference,
+        seqs,
+        starts,
+        statistic=statistic,
+        batch_size=batch_size,
+        cache=cache,
     )
     labels = np.r_[np.ones(len(members), dtype=bool), np.zeros(len(nonmembers), dtype=bool)]
     return LiRAResult(scores, labels, scorer_name(target), scorer_name(reference, "reference"))
