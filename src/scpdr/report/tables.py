@@ -218,6 +218,45 @@ def rank_marks(values: Sequence[float | None], direction: Literal["down", "up"])
     return out
 
 
+def _marked_cells(
+    values: Mapping[str, Sequence[float | None]],
+    methods: Sequence[str],
+    columns: Sequence[Column],
+) -> list[list[Cell]]:
+    """One row of cells per method of ``methods`` (``values[m][j]``: method m, column j); in each
+    column the best value among ``methods`` is marked "best" and the next "second"
+    (:func:`rank_marks`, in the column's direction)."""
+    marks: dict[str, list[Mark]] = {m: [None] * len(columns) for m in methods}
+    for j, col in enumerate(columns):
+        col_marks = rank_marks([values[m][j] for m in methods], col.direction)
+        for m, mk in zip(methods, col_marks, strict=True):
+            marks[m][j] = mk
+    return [
+        [Cell(v, format_value(v), mk) for v, mk in zip(values[m], marks[m], strict=True)]
+        for m in methods
+    ]
+
+
+def _methods_table(
+    title: str,
+    columns: list[Column],
+    values: Mapping[str, Sequence[float | None]],
+    methods: Sequence[str],
+    notes: list[str],
+) -> Table:
+    """A table of one row per method of ``methods`` that has any value, in that order, with the
+    best and second value of each column marked (:func:`_marked_cells`)."""
+    methods = [m for m in methods if any(v is not None for v in values[m])]
+    return Table(
+        title=title,
+        columns=columns,
+        row_labels=[METHOD_LABELS.get(m, m) for m in methods],
+        row_keys=methods,
+        cells=_marked_cells(values, methods, columns),
+        notes=notes,
+    )
+
+
 # -------------------------------------------------------------------------------- row lookup
 
 
@@ -418,18 +457,8 @@ def main_table(
         if any(v is not None for v in ste):
             ste_vals = [None, *ste] if attack_idx else ste
 
-    # Marks among the method rows only.
-    marks: dict[str, list[Mark]] = {m: [None] * len(all_columns) for m in table_values}
-    for j, col in enumerate(all_columns):
-        col_marks = rank_marks([table_values[m][j] for m in present_methods], col.direction)
-        for m, mk in zip(present_methods, col_marks, strict=True):
-            marks[m][j] = mk
-
     row_keys = list(present_methods)
-    cells = [
-        [Cell(v, format_value(v), mk) for v, mk in zip(table_values[m], marks[m], strict=True)]
-        for m in present_methods
-    ]
+    cells = _marked_cells(table_values, present_methods, all_columns)  # marks among these rows
     separator = None
     if "none-val" in table_values:
         separator = len(row_keys)
@@ -497,25 +526,8 @@ def kx_table(
         ]
         for m in methods
     }
-    methods = [m for m in methods if any(v is not None for v in vals[m])]
-    cells = []
-    marks = {m: [None] * len(columns) for m in methods}
-    for j in range(len(columns)):
-        col_marks = rank_marks([vals[m][j] for m in methods], "down")
-        for m, mk in zip(methods, col_marks, strict=True):
-            marks[m][j] = mk
-    for m in methods:
-        cells.append(
-            [Cell(v, format_value(v), mk) for v, mk in zip(vals[m], marks[m], strict=True)]
-        )
-    return Table(
-        title=title,
-        columns=columns,
-        row_labels=[METHOD_LABELS.get(m, m) for m in methods],
-        row_keys=methods,
-        cells=cells,
-        notes=["Lower is better: a smaller bound means less can be learned about one partition."],
-    )
+    notes = ["Lower is better: a smaller bound means less can be learned about one partition."]
+    return _methods_table(title, columns, vals, methods, notes)
 
 
 def canary_table(
@@ -552,19 +564,11 @@ def canary_table(
 
     methods = [m for m in _ordered_methods(rows, None)]
     vals = {m: [val(m, j, reps[j // 2]) for j in range(len(columns))] for m in methods}
-    methods = [m for m in methods if any(v is not None for v in vals[m])]
-    marks: dict[str, list[Mark]] = {m: [None] * len(columns) for m in methods}
-    for j in range(len(columns)):
-        col_marks = rank_marks([vals[m][j] for m in methods], "down")
-        for m, mk in zip(methods, col_marks, strict=True):
-            marks[m][j] = mk
-    keys = list(methods)
-    labels = [METHOD_LABELS.get(m, m) for m in methods]
-    cells = [
-        [Cell(v, format_value(v), mk) for v, mk in zip(vals[m], marks[m], strict=True)]
-        for m in methods
+    notes = [
+        "Exposure in bits (Carlini et al. 2019). Random baseline: never-inserted canaries of "
+        "the same format under No CP (the same for every repetition count)."
     ]
-    separator = None
+    table = _methods_table(title, columns, vals, methods, notes)
     source = next(
         (
             m
@@ -573,24 +577,13 @@ def canary_table(
         ),
         None,
     )
-    if source is not None:
+    if source is not None:  # an unmarked reference row below the methods
         base = [val(source, j, 0) for j in range(len(columns))]
-        separator = len(keys)
-        keys.append("baseline")
-        labels.append("Random baseline")
-        cells.append([Cell(v, format_value(v)) for v in base])
-    return Table(
-        title=title,
-        columns=columns,
-        row_labels=labels,
-        row_keys=keys,
-        cells=cells,
-        separator_before=separator,
-        notes=[
-            "Exposure in bits (Carlini et al. 2019). Random baseline: never-inserted canaries of "
-            "the same format under No CP (the same for every repetition count)."
-        ],
-    )
+        table.separator_before = len(table.row_keys)
+        table.row_keys.append("baseline")
+        table.row_labels.append("Random baseline")
+        table.cells.append([Cell(v, format_value(v)) for v in base])
+    return table
 
 
 def lira_table(
@@ -620,27 +613,12 @@ def lira_table(
         ]
         for m in methods
     }
-    methods = [m for m in methods if any(v is not None for v in vals[m])]
-    marks: dict[str, list[Mark]] = {m: [None] * len(columns) for m in methods}
-    for j, col in enumerate(columns):
-        col_marks = rank_marks([vals[m][j] for m in methods], col.direction)
-        for m, mk in zip(methods, col_marks, strict=True):
-            marks[m][j] = mk
-    return Table(
-        title=title,
-        columns=columns,
-        row_labels=[METHOD_LABELS.get(m, m) for m in methods],
-        row_keys=methods,
-        cells=[
-            [Cell(v, format_value(v), mk) for v, mk in zip(vals[m], marks[m], strict=True)]
-            for m in methods
-        ],
-        notes=[
-            "Offline LiRA against the same method over the reference constituents (p0 trained "
-            "without the targets); members = the held-out targets, non-members = validation. "
-            "AUC 0.5 = chance."
-        ],
-    )
+    notes = [
+        "Offline LiRA against the same method over the reference constituents (p0 trained "
+        "without the targets); members = the held-out targets, non-members = validation. "
+        "AUC 0.5 = chance."
+    ]
+    return _methods_table(title, columns, vals, methods, notes)
 
 
 def generations_table(
