@@ -1810,12 +1810,13 @@ def _attack_lira(
     else:
         reference = _scorer(ctx, method, ref_bundle, m=m)
     holdout = set(read_json(ctx.dep("partitions") / TARGETS_NAME)["holdout"])
-    members = [r.text for r in pset.parts[0] if r.id in holdout]
+    # Records, not texts: LiRA then scores a prompted example's response given its prompt (the
+    # paper's r1(y|x) / r0(y|x); Names2IDs: the ID given "Name: <name>, ID:"), text-only
+    # records whole.
+    members = [r for r in pset.parts[0] if r.id in holdout]
     n = acfg["n"] or len(members)
     members = _subset(members, n, seed=seed, salt="lira-members")
-    nonmembers = [
-        r.text for r in _subset(pset.validation, len(members), seed=seed, salt="lira-non")
-    ]
+    nonmembers = _subset(pset.validation, len(members), seed=seed, salt="lira-non")
     res = lira(scorer, reference, members, nonmembers, batch_size=bs)
     add(res.rows(method=method, corpus=ctx.stage.inputs["corpus"]))
     fpr, tpr = res.roc()
