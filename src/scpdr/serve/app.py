@@ -818,19 +818,12 @@ def _chat_response(
     )
 
 
+# (inputs, id prefix, stream body, usage chunk type, response): the fields of _Endpoint
 _COMPLETIONS = _Endpoint(
-    inputs=_completion_inputs,
-    id_prefix="cmpl",
-    stream_body=_stream_completion,
-    chunk_type=P.CompletionChunk,
-    build=_completion_response,
+    _completion_inputs, "cmpl", _stream_completion, P.CompletionChunk, _completion_response
 )
 _CHAT_COMPLETIONS = _Endpoint(
-    inputs=_chat_inputs,
-    id_prefix="chatcmpl",
-    stream_body=_stream_chat,
-    chunk_type=P.ChatCompletionChunk,
-    build=_chat_response,
+    _chat_inputs, "chatcmpl", _stream_chat, P.ChatCompletionChunk, _chat_response
 )
 
 
