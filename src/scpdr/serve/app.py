@@ -429,13 +429,21 @@ _GenerationRequest = P.CompletionRequest | P.ChatCompletionRequest
 _Inputs = tuple[list[_Choice], list[tuple[list[int], SamplingParams]]]
 
 
+@dataclass
+class _Run:
+    """A generation request submitted to the engine: its event stream, its choices (filled in
+    from the events), and the id and creation time of its response."""
+
+    stream: Any
+    choices: list[_Choice]
+    rid: str
+    created: int
+
+
 async def _sse_stream(
     state: ServingState,
     req: _GenerationRequest,
-    stream: Any,
-    choices: list[_Choice],
-    rid: str,
-    created: int,
+    run: _Run,
     *,
     body: AsyncIterator[str],
     chunk_type: type[P.CompletionChunk] | type[P.ChatCompletionChunk],
@@ -443,6 +451,7 @@ async def _sse_stream(
     """Frame a streamed response: ``body``'s events, the usage event if the request asked for it,
     then ``[DONE]``. An engine failure, or any error once the stream has started, is sent as an
     SSE error event before ``[DONE]``; the engine stream is cancelled however it ends."""
+    stream, choices, rid, created = run.stream, run.choices, run.rid, run.created
     try:
         async for data in body:
             yield data
@@ -472,9 +481,9 @@ class _Endpoint:
 
     inputs: Callable[[ServingState, Any], _Inputs]  # validated choices and engine sequences
     id_prefix: str  # of the response id
-    stream_body: Callable[..., AsyncIterator[str]]  # the SSE events of a streamed response
+    stream_body: Callable[[ServingState, Any, _Run], AsyncIterator[str]]  # SSE events
     chunk_type: type[P.CompletionChunk] | type[P.ChatCompletionChunk]  # of the usage event
-    build: Callable[..., BaseModel]  # the response once every choice is collected
+    build: Callable[[ServingState, Any, _Run], BaseModel]  # once every choice is collected
 
 
 async def _respond(state: ServingState, req: _GenerationRequest, endpoint: _Endpoint) -> Response:
@@ -483,18 +492,16 @@ async def _respond(state: ServingState, req: _GenerationRequest, endpoint: _Endp
     state.check_model(req.model)
     choices, seqs = endpoint.inputs(state, req)
     rid, created = P.new_id(endpoint.id_prefix), P.now()
-    stream = _submit(state, seqs)
+    run = _Run(_submit(state, seqs), choices, rid, created)
     if req.stream:
-        body = endpoint.stream_body(state, req, stream, choices, rid, created)
-        events = _sse_stream(
-            state, req, stream, choices, rid, created, body=body, chunk_type=endpoint.chunk_type
-        )
+        body = endpoint.stream_body(state, req, run)
+        events = _sse_stream(state, req, run, body=body, chunk_type=endpoint.chunk_type)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
     try:
-        await _collect(stream, choices)
+        await _collect(run.stream, choices)
     finally:
-        stream.cancel()
-    return _json(endpoint.build(state, req, choices, rid, created))
+        run.stream.cancel()
+    return _json(endpoint.build(state, req, run))
 
 
 def _add_choices(
@@ -617,13 +624,9 @@ def _completion_choice(
 
 
 async def _stream_completion(
-    state: ServingState,
-    req: P.CompletionRequest,
-    stream: Any,
-    choices: list[_Choice],
-    rid: str,
-    created: int,
+    state: ServingState, req: P.CompletionRequest, run: _Run
 ) -> AsyncIterator[str]:
+    choices, rid, created = run.choices, run.rid, run.created
     model = state.config.model_name
     started = [False] * len(choices)
     offsets = [0] * len(choices)
@@ -654,7 +657,7 @@ async def _stream_completion(
         )
 
     none = slice(0, 0)
-    async for i, event in _events(stream):
+    async for i, event in _events(run.stream):
         c = choices[i]
         if isinstance(event, PromptLogprobs):  # sent with the echo chunk
             _apply(c, event)
@@ -681,14 +684,14 @@ async def _stream_completion(
 
 
 def _completion_response(
-    state: ServingState, req: P.CompletionRequest, choices: list[_Choice], rid: str, created: int
+    state: ServingState, req: P.CompletionRequest, run: _Run
 ) -> P.CompletionResponse:
     return P.CompletionResponse(
-        id=rid,
-        created=created,
+        id=run.rid,
+        created=run.created,
         model=state.config.model_name,
-        choices=[_completion_choice(state, req, i, c) for i, c in enumerate(choices)],
-        usage=_usage(choices, req.n),
+        choices=[_completion_choice(state, req, i, c) for i, c in enumerate(run.choices)],
+        usage=_usage(run.choices, req.n),
     )
 
 
@@ -749,13 +752,9 @@ def _chat_inputs(state: ServingState, req: P.ChatCompletionRequest) -> _Inputs:
 
 
 async def _stream_chat(
-    state: ServingState,
-    req: P.ChatCompletionRequest,
-    stream: Any,
-    choices: list[_Choice],
-    rid: str,
-    created: int,
+    state: ServingState, req: P.ChatCompletionRequest, run: _Run
 ) -> AsyncIterator[str]:
+    choices, rid, created = run.choices, run.rid, run.created
     model = state.config.model_name
     k = req.top_logprobs or 0
 
@@ -769,7 +768,7 @@ async def _stream_chat(
 
     for i in range(len(choices)):  # the role comes first, in its own delta
         yield _sse(chunk(i, P.DeltaMessage(role="assistant", content="")))
-    async for i, event in _events(stream):
+    async for i, event in _events(run.stream):
         _apply(choices[i], event)
         n = len(choices[i].tokens)
         if isinstance(event, TokenOutput):
@@ -793,16 +792,12 @@ async def _stream_chat(
 
 
 def _chat_response(
-    state: ServingState,
-    req: P.ChatCompletionRequest,
-    choices: list[_Choice],
-    rid: str,
-    created: int,
+    state: ServingState, req: P.ChatCompletionRequest, run: _Run
 ) -> P.ChatCompletionResponse:
     k = req.top_logprobs or 0
     return P.ChatCompletionResponse(
-        id=rid,
-        created=created,
+        id=run.rid,
+        created=run.created,
         model=state.config.model_name,
         choices=[
             P.ChatChoice(
@@ -812,9 +807,9 @@ def _chat_response(
                 finish_reason=c.finish_reason,  # type: ignore[arg-type]
                 naf=state.certificate(c.tokens),
             )
-            for i, c in enumerate(choices)
+            for i, c in enumerate(run.choices)
         ],
-        usage=_usage(choices, req.n),
+        usage=_usage(run.choices, req.n),
     )
 
 
