@@ -82,3 +82,31 @@ def test_pooled_none_val_canary_row_joins_the_rep3_column():
     ]
     scores, _ = nas_from_rows(rows)
     assert scores == pytest.approx({"none": 1.0, "scp": 2 / 18, "none-val": 0.0})
+
+
+def test_each_attack_type_counts_equally_whatever_its_corpora():
+    """§5.4: TTE columns weigh 1/3 because the paper reports TTE on three corpora; with TTE on
+    one corpus they weigh 1, like canary and PII, and the report's main table agrees."""
+    from scpdr.report.tables import main_table
+
+    def rows_for(tte_corpora):
+        rows = []
+        # a leaks on PII only, b on TTE only: equal NAS iff TTE (all corpora) weighs like PII
+        for m, (ael, auc) in {"a": (10.0, 0.5), "b": (0.0, 1.0), "z": (0.0, 0.5)}.items():
+            rows.append(ResultRow(m, "pii", "ael", ael, 1, None, "names2ids", {}))
+            for c in tte_corpora:
+                rows.append(ResultRow(m, "tte", "auc", auc, 1, None, c, {}))
+        return rows
+
+    for corpora in (["math"], ["math", "story", "code"]):
+        rows = rows_for(corpora)
+        scores, _ = nas_from_rows(rows)
+        assert scores["a"] == pytest.approx(scores["b"]), corpora
+        assert scores["a"] == pytest.approx(0.5) and scores["z"] == 0.0
+        table = main_table([r.to_dict() for r in rows])
+        assert table.columns[0].group == "NAS"
+        assert table.value("a", 0) == pytest.approx(scores["a"])
+        assert table.value("b", 0) == pytest.approx(scores["b"])
+    # explicit weights still override
+    scores, _ = nas_from_rows(rows_for(["math"]), attack_weights={"pii": 1.0, "tte": 1 / 3})
+    assert scores["a"] == pytest.approx(0.75)

@@ -4,7 +4,10 @@ results", column NAS).
 Every attack column (canary mean and 95th percentile, PII AEL and FER, TTE AUC and ACC per
 corpus) is min-max normalized to [0, 1] across the methods (the rows, excluding the STE row),
 and NAS is the weighted average of a method's normalized scores, TTE columns weighted 1/3 "to
-balance the contribution of all attack types". All attack columns are "higher = more leakage",
+balance the contribution of all attack types" (the paper reports TTE on three corpora, canary
+and PII on one). In general each column of an attack weighs 1 / (the number of corpora that
+attack is reported on), so every attack type counts equally whatever the corpora; the report's
+main table uses the same rule and this function. All attack columns are "higher = more leakage",
 so nothing is flipped; utility is not part of NAS. A column whose values are all equal
 normalizes to 0. A method missing a column is averaged over the columns it has.
 
@@ -20,7 +23,7 @@ from typing import Any
 
 from scpdr.attacks.results import ResultRow
 
-__all__ = ["DEFAULT_ATTACK_WEIGHTS", "NAS_METRICS", "nas", "nas_from_rows"]
+__all__ = ["NAS_METRICS", "attack_weights_by_corpora", "nas", "nas_from_rows"]
 
 #: (attack, metric) pairs that enter NAS.
 NAS_METRICS: tuple[tuple[str, str], ...] = (
@@ -32,8 +35,14 @@ NAS_METRICS: tuple[tuple[str, str], ...] = (
     ("tte", "acc"),
 )
 
-#: Per-attack column weight (§5.4: TTE scores scaled by 1/3).
-DEFAULT_ATTACK_WEIGHTS: Mapping[str, float] = {"canary": 1.0, "pii": 1.0, "tte": 1.0 / 3.0}
+
+def attack_weights_by_corpora(columns: Iterable[tuple[str, Hashable, str]]) -> dict[str, float]:
+    """Per-attack column weight 1 / (number of corpora the attack has columns for) (§5.4: with
+    TTE on the paper's three corpora and canary/PII on one, TTE columns weigh 1/3)."""
+    corpora: dict[str, set[Hashable]] = {}
+    for attack, corpus, _ in columns:
+        corpora.setdefault(attack, set()).add(corpus)
+    return {attack: 1.0 / len(c) for attack, c in corpora.items()}
 
 
 def nas(
@@ -90,7 +99,7 @@ def _get(row: ResultRow | Mapping[str, Any], key: str) -> Any:
 def nas_from_rows(
     rows: Iterable[ResultRow | Mapping[str, Any]],
     *,
-    attack_weights: Mapping[str, float] = DEFAULT_ATTACK_WEIGHTS,
+    attack_weights: Mapping[str, float] | None = None,
     canary_repetitions: int | None = None,
     exclude: Iterable[str] = ("ste",),
 ) -> tuple[dict[str, float], list[ResultRow]]:
@@ -100,6 +109,9 @@ def nas_from_rows(
     setting) when present, else the largest — the choice the report's main table makes. A canary
     row without ``repetitions`` or with 0 (e.g. ``"none-val"``: never-inserted canaries) is that
     method's value; ``baseline_*`` rows are not columns.
+
+    ``attack_weights``: attack → weight of each of its columns; default
+    :func:`attack_weights_by_corpora` (1 / the number of corpora the attack is reported on).
 
     Returns ``({method: NAS}, rows)`` with rows ``(method, "nas", "nas", value)``."""
     wanted = set(NAS_METRICS)
@@ -121,9 +133,10 @@ def nas_from_rows(
                 continue
         col = (attack, _get(r, "corpus"), metric)
         table.setdefault(str(_get(r, "method")), {})[col] = float(_get(r, "value"))
-    weights = {
-        col: float(attack_weights.get(col[0], 1.0)) for cols in table.values() for col in cols
-    }
+    columns = {col for cols in table.values() for col in cols}
+    if attack_weights is None:
+        attack_weights = attack_weights_by_corpora(columns)
+    weights = {col: float(attack_weights.get(col[0], 1.0)) for col in columns}
     scores = nas(table, weights=weights, exclude=exclude)
     n_cols = len(weights)
     out_rows = [

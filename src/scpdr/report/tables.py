@@ -339,30 +339,17 @@ def _corpora_for(rows: Sequence[Mapping[str, Any]], attack: str) -> list[str | N
 def nas_scores(
     values: Mapping[str, Sequence[float | None]], weights: Sequence[float]
 ) -> dict[str, float | None]:
-    """NAS per row (paper §5.4): min-max normalize every column over the given rows, then the
-    weighted mean of each row's normalized scores (missing values skipped).
+    """NAS per row (paper §5.4) with :func:`scpdr.attacks.nas.nas`: min-max normalize every
+    column over the given rows, then the weighted mean of each row's normalized scores (missing
+    and non-finite values skipped; None for a row with no value).
 
     ``values``: row key → one value per attack column (the STE row must not be passed).
     """
-    keys = list(values)
-    ncol = len(weights)
-    norm: dict[str, list[float | None]] = {k: [None] * ncol for k in keys}
-    for j in range(ncol):
-        col = [values[k][j] for k in keys]
-        present = [v for v in col if v is not None and math.isfinite(v)]
-        if not present:
-            continue
-        lo, hi = min(present), max(present)
-        for k, v in zip(keys, col, strict=True):
-            if v is None or not math.isfinite(v):
-                continue
-            norm[k][j] = 0.0 if hi == lo else (v - lo) / (hi - lo)
-    out: dict[str, float | None] = {}
-    for k in keys:
-        num = sum(w * x for w, x in zip(weights, norm[k], strict=True) if x is not None)
-        den = sum(w for w, x in zip(weights, norm[k], strict=True) if x is not None)
-        out[k] = num / den if den > 0 else None
-    return out
+    from scpdr.attacks.nas import nas
+
+    table = {k: {j: v for j, v in enumerate(vals) if v is not None} for k, vals in values.items()}
+    scores = nas(table, weights=dict(enumerate(weights)), exclude=())
+    return {k: (v if math.isfinite(v) else None) for k, v in scores.items()}
 
 
 # -------------------------------------------------------------------------------- tables
