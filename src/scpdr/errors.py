@@ -23,7 +23,9 @@ class PartitionAuditError(ScpdrError):
     """Partitions overlap (exactly or as near-duplicates): the NAF guarantee would not hold."""
 
 
-def missing_dependency(package: str, *, extra: str | None = None, pip: str | None = None) -> ImportError:
+def missing_dependency(
+    package: str, *, extra: str | None = None, pip: str | None = None
+) -> ImportError:
     """An ImportError that says how to install ``package``."""
     cmd = pip or (f"pip install 'scpdr[{extra}]'" if extra else f"pip install {package}")
     return ImportError(f"{package} is required for this feature; install it with: {cmd}")
