@@ -84,8 +84,22 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, (ScpdrError, FileNotFoundError)):
             typer.echo(f"error: {exc}", err=True)
             return 2
+        if _is_validation_error(exc):  # a CLI value a settings model rejects (e.g. --threshold 2)
+            from scpdr.commands import format_validation_error
+
+            title = getattr(exc, "title", "settings")
+            typer.echo(f"error: invalid {title}: {format_validation_error(exc)}", err=True)
+            return 2
         raise
     return 0
+
+
+def _is_validation_error(exc: BaseException) -> bool:
+    try:
+        from pydantic import ValidationError
+    except ImportError:
+        return False
+    return isinstance(exc, ValidationError)
 
 
 def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:

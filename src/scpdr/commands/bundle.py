@@ -21,8 +21,15 @@ def bundle(
         "--base",
         help="Base model ref for SCP ('embedded' = SmolLM2-135M-Instruct); '' for none.",
     ),
-    method: str = typer.Option("scp-delta-r", "--method", help="Default aggregation method."),
-    m: int = typer.Option(10, "--m", help="Default smoothing parameter m (Alg. 1)."),
+    method: str = typer.Option(
+        "scp-delta-r",
+        "--method",
+        help="Default aggregation method (none, cp-delta, cp-kl, cp-delta-r, scp-delta-r, "
+        "scp-delta, cp-fuse): what `scpdr serve` runs without --method.",
+    ),
+    m: int = typer.Option(
+        10, "--m", min=1, help="Default smoothing parameter m (Alg. 1; `scpdr serve` without --m)."
+    ),
     held_out: Path | None = typer.Option(
         None,
         "--held-out",
@@ -56,7 +63,9 @@ def bundle(
     import logging
 
     from scpdr import models
+    from scpdr.commands import check_method
 
+    check_method(method)
     audit = None
     if partitions is not None:
         from scpdr.data.partition import load_partitions

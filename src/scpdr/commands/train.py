@@ -15,7 +15,9 @@ def train(
         help="names2ids, pycode, pydocs, a .jsonl/.csv file, a dataset dir, or a partition dir "
         "written by `scpdr partition`.",
     ),
-    partitions: int = typer.Option(2, "--partitions", help="Number of partitions/constituents."),
+    partitions: int = typer.Option(
+        2, "--partitions", min=1, help="Number of partitions/constituents."
+    ),
     out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
     base: str = typer.Option(
         "embedded",
@@ -41,9 +43,11 @@ def train(
         "", "--canaries", help="Canary repetitions, e.g. 1,3,10 (empty: none)."
     ),
     canaries_per_rep: int = typer.Option(
-        10, "--canaries-per-rep", help="Canaries per repetition count."
+        10, "--canaries-per-rep", min=1, help="Canaries per repetition count."
     ),
-    canary_partition: int = typer.Option(0, "--canary-partition", help="Partition for canaries."),
+    canary_partition: int = typer.Option(
+        0, "--canary-partition", min=0, help="Partition for canaries."
+    ),
     threshold: float = typer.Option(0.7, "--threshold", help="Near-duplicate Jaccard."),
     config: Path | None = typer.Option(
         None, "--config", help="TrainConfig JSON file; the options above override it."
@@ -54,9 +58,10 @@ def train(
         help="Bundle even if partitions overlap (recorded in the bundle's audit field).",
     ),
     method: str = typer.Option("scp-delta-r", "--method", help="Default method of the bundle."),
-    m: int = typer.Option(10, "--m", help="Default smoothing parameter m of the bundle."),
+    m: int = typer.Option(10, "--m", min=1, help="Default smoothing parameter m of the bundle."),
 ) -> None:
     """Train one constituent per partition of DATA and write a bundle to OUT."""
+    from scpdr.commands import check_method, format_validation_error
     from scpdr.commands.data import _parse_reps
     from scpdr.data import (
         CanaryConfig,
@@ -91,7 +96,9 @@ def train(
     try:
         cfg = TrainConfig.model_validate(cfg_dict)
     except ValueError as exc:
-        raise ConfigError(f"invalid training options: {exc}") from None
+        msg = format_validation_error(exc) if hasattr(exc, "errors") else str(exc)
+        raise ConfigError(f"invalid training options: {msg}") from None
+    check_method(method)  # before training, not after it
 
     data_path = Path(data)
     if data_path.is_dir() and (data_path / "manifest.json").is_file():

@@ -1,0 +1,86 @@
+"""What a new user trips on: a wrong option value is one line naming the option (exit 2), checked
+before any model loads or trains, never a traceback; `serve` defaults to the bundle's settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scpdr.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from scpdr.testing import make_tiny_bundle
+
+    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"), k=2, constant_base=False)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("parts") / "p"
+    argv = ["partition", "names2ids", "--out", str(out), "--n-train", "8", "--n-val", "2"]
+    assert main(argv) == 0
+    return out
+
+
+def _one_line_error(capsys, *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "errors.pydantic.dev" not in err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+# ----------------------------------------------------------------------------- settings models
+
+
+def test_settings_model_rejection_is_one_line(parts, capsys):
+    assert main(["audit-partitions", str(parts), "--threshold", "5"]) == 2
+    err = _one_line_error(capsys, "threshold", "less than 1", "5.0")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_invalid_training_option_is_one_line(tmp_path, capsys):
+    argv = ["train", "--data", "names2ids", "--out", str(tmp_path / "b"), "--base", "tiny"]
+    assert main([*argv, "--lr", "-1"]) == 2
+    err = _one_line_error(capsys, "learning_rate", "greater than 0")
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()
+
+
+# ----------------------------------------------------------------------------- bundle / train
+
+
+def test_train_refuses_an_unknown_method_before_training(tmp_path, capsys):
+    out = tmp_path / "b"
+    argv = ["train", "--data", "names2ids", "--n-train", "8", "--n-val", "2", "--base", "tiny"]
+    assert main([*argv, "--max-steps", "1", "--out", str(out), "--method", "cp-delta-rr"]) == 2
+    _one_line_error(capsys, "--method 'cp-delta-rr'", "scp-delta-r")
+    assert not out.exists()  # nothing trained
+
+
+def test_train_refuses_m_zero_before_training(tmp_path, capsys):
+    out = tmp_path / "b"
+    argv = ["train", "--data", "names2ids", "--n-train", "8", "--n-val", "2", "--base", "tiny"]
+    assert main([*argv, "--max-steps", "1", "--out", str(out), "--m", "0"]) == 2
+    _one_line_error(capsys, "--m")
+    assert not out.exists()
+
+
+def test_bundle_refuses_an_unknown_method(tiny, tmp_path, capsys):
+    out = tmp_path / "b"
+    argv = ["bundle", str(out), "-c", str(tiny / "constituent-0"), "--base", str(tiny / "base")]
+    assert main([*argv, "--method", "foo"]) == 2
+    _one_line_error(capsys, "--method 'foo'", "cp-delta-r")
+    assert not out.exists()
+
+
+def test_bundle_refuses_m_zero_and_writes_nothing(tiny, tmp_path, capsys):
+    out = tmp_path / "b"
+    argv = ["bundle", str(out), "-c", str(tiny / "constituent-0"), "--base", str(tiny / "base")]
+    assert main([*argv, "--m", "0"]) == 2
+    _one_line_error(capsys, "--m")
+    assert not out.exists()
