@@ -84,3 +84,41 @@ def test_bundle_refuses_m_zero_and_writes_nothing(tiny, tmp_path, capsys):
     assert main([*argv, "--m", "0"]) == 2
     _one_line_error(capsys, "--m")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- eval / bounds
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--m", "0"], "--m"),
+        (["--m", "60000"], "vocabulary size (49152)"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--max-tokens", "0"], "--max-tokens"),
+    ],
+)
+def test_eval_bad_numbers_are_one_line(tiny, parts, tmp_path, capsys, extra, needle):
+    argv = ["eval", str(tiny), "--out", str(tmp_path / "e"), "--data", str(parts)]
+    argv += ["--attacks", "pii", "--methods", "none,scp-delta-r-b", "--pii-n", "2"]
+    assert main([*argv, *extra]) == 2
+    _one_line_error(capsys, needle)
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--m", "0"], "--m"),
+        (["--m", "49152"], "vocabulary size (49152)"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--max-tokens", "0"], "--max-tokens"),
+    ],
+)
+def test_bounds_bad_numbers_are_one_line(tiny, tmp_path, capsys, extra, needle):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\nthe cat sat\n", encoding="utf-8")
+    argv = ["bounds", str(tiny), "--out", str(tmp_path / "o"), "--prompts", str(prompts)]
+    assert main([*argv, "--methods", "cp-delta", *extra]) == 2
+    _one_line_error(capsys, needle)
+    assert not (tmp_path / "o").exists()

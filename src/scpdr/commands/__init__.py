@@ -15,3 +15,22 @@ def format_validation_error(exc: Any) -> str:
         parts.append(f"{loc}: {err.get('msg', '')}{got}")
     return "; ".join(parts)
 
+
+def check_method(method: str, option: str = "--method") -> None:
+    """``method`` must name an aggregation rule: a typo fails here, before any model loads."""
+    from scpdr.errors import ConfigError
+    from scpdr.protected import METHODS
+
+    if method not in METHODS:
+        raise ConfigError(f"{option} {method!r} is unknown; use one of: {', '.join(METHODS)}")
+
+
+def check_m(m: int | None, vocab_size: int) -> None:
+    """``--m`` (tokens kept unsmoothed) must be below the bundle's vocabulary size."""
+    from scpdr.errors import ConfigError
+
+    if m is not None and m >= vocab_size:
+        raise ConfigError(
+            f"--m {m} must be smaller than the bundle's vocabulary size ({vocab_size}); "
+            "the paper uses m = 10"
+        )

@@ -38,12 +38,12 @@ def bounds(
     reference: str | None = typer.Option(
         None, "--reference", help="Model ref of p0 for v_x (Theorem 4.5); without it no v_x."
     ),
-    n: int = typer.Option(32, "--n", help="Prompts / training examples used."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens per prompt."),
+    n: int = typer.Option(32, "--n", min=1, help="Prompts / training examples used."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Tokens per prompt."),
     m: int | None = typer.Option(
-        None, "--m", help="Smoothing parameter m (default: the bundle's)."
+        None, "--m", min=1, help="Smoothing parameter m (default: the bundle's)."
     ),
-    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per scoring batch."),
+    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Sequences per scoring batch."),
 ) -> None:
     """Distributions of the NAF bound k_x and the LiRA bounds t_x, v_x on real prompts."""
     import logging
@@ -57,6 +57,7 @@ def bounds(
     from scpdr.attacks.results import save_results
     from scpdr.attacks.runner import EvalData, bundle_bases, bundle_data_dir
     from scpdr.attacks.scorer import encode
+    from scpdr.commands import check_m
     from scpdr.commands.eval import _split
     from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
@@ -66,6 +67,9 @@ def bounds(
     method_list = _split(methods)
     specs = {name: split_bound_method(name) for name in method_list}
     manifest = M.read_bundle(bundle)
+    check_m(m, manifest.vocab_size)
+    if prompts is not None and not prompts.is_file():
+        raise FileNotFoundError(f"--prompts {prompts}: no such file")
     base_vector = bundle_bases(bundle, manifest, [src for _, src in specs.values()])
     use_base = manifest.base is not None
     scorer = ProtectedLM.from_bundle(

@@ -39,7 +39,10 @@ def eval_(
     ),
     corpus: str | None = typer.Option(None, "--corpus", help="Corpus name in the result rows."),
     target: int | None = typer.Option(
-        None, "--target", help="Attacked partition (default: the canaries' partition, else 0)."
+        None,
+        "--target",
+        min=0,
+        help="Attacked partition (default: the canaries' partition, else 0).",
     ),
     reference: str | None = typer.Option(
         None,
@@ -51,22 +54,27 @@ def eval_(
         None, "--members", help="JSONL/CSV records: LiRA members (default: the target partition)."
     ),
     m: int | None = typer.Option(
-        None, "--m", help="Smoothing parameter m (default: the bundle's)."
+        None, "--m", min=1, help="Smoothing parameter m (default: the bundle's)."
     ),
     n_reference: int = typer.Option(
-        10_000, "--n-reference", help="Random canary candidates for the exposure extrapolation."
+        10_000,
+        "--n-reference",
+        min=1,
+        help="Random canary candidates for the exposure extrapolation.",
     ),
-    pii_n: int | None = typer.Option(None, "--pii-n", help="Names attacked (default: all)."),
-    tte_n: int | None = typer.Option(64, "--tte-n", help="Training examples for TTE."),
+    pii_n: int | None = typer.Option(None, "--pii-n", min=1, help="Names attacked (default: all)."),
+    tte_n: int | None = typer.Option(64, "--tte-n", min=1, help="Training examples for TTE."),
     q_fails: bool = typer.Option(
         False, "--q-fails", help="Also TTE restricted to tokens q (constituent 1) fails to predict."
     ),
-    lira_n: int | None = typer.Option(None, "--lira-n", help="Members and non-members each."),
-    utility_n: int | None = typer.Option(None, "--utility-n", help="Validation examples."),
-    max_tokens: int = typer.Option(
-        256, "--max-tokens", help="Tokens per example (TTE, LiRA, utility)."
+    lira_n: int | None = typer.Option(
+        None, "--lira-n", min=1, help="Members and non-members each."
     ),
-    batch_size: int = typer.Option(16, "--batch-size", help="Sequences per scoring batch."),
+    utility_n: int | None = typer.Option(None, "--utility-n", min=1, help="Validation examples."),
+    max_tokens: int = typer.Option(
+        256, "--max-tokens", min=1, help="Tokens per example (TTE, LiRA, utility)."
+    ),
+    batch_size: int = typer.Option(16, "--batch-size", min=1, help="Sequences per scoring batch."),
     seed: int = typer.Option(0, "--seed", help="Seed of the canary reference sample."),
 ) -> None:
     """Run attacks against the methods of a bundle and write DIR/results.json."""
@@ -83,6 +91,7 @@ def eval_(
         resolve_method,
         run_eval,
     )
+    from scpdr.commands import check_m
     from scpdr.io import atomic_write_json
     from scpdr.models import read_bundle
 
@@ -93,6 +102,7 @@ def eval_(
     for name in method_list:
         resolve_method(name)
     manifest = read_bundle(bundle)
+    check_m(m, manifest.vocab_size)
     data = bundle_data_dir(bundle, manifest, data)
     dataset_name = (manifest.extra.get("dataset") or {}).get("name")
     eval_data = EvalData.from_partitions(data, target=target, corpus=corpus or dataset_name)
