@@ -122,3 +122,36 @@ def test_bounds_bad_numbers_are_one_line(tiny, tmp_path, capsys, extra, needle):
     assert main([*argv, "--methods", "cp-delta", *extra]) == 2
     _one_line_error(capsys, needle)
     assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--port", "99999"], "--port"),
+        (["--method", "cp-delta-rr"], "--method 'cp-delta-rr'"),
+        (["--m", "0"], "--m"),
+        (["--log-level", "loud"], "--log-level"),
+    ],
+)
+def test_serve_bad_options_are_one_line(tiny, capsys, extra, needle):
+    assert main(["serve", str(tiny), *extra]) == 2
+    _one_line_error(capsys, needle)
+
+
+def test_serve_defaults_to_the_bundles_m(tmp_path, capsys):
+    """A bundle whose m cannot run (m >= V): `serve` without --m must use it, not a fixed 10."""
+    import socket
+
+    from scpdr.testing import make_tiny_bundle
+
+    bundle = make_tiny_bundle(tmp_path / "b", k=2, constant_base=False, m=100_000)
+    with socket.socket() as busy:  # should the bundle's m be ignored, uvicorn fails to bind
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = main(["serve", str(bundle), "--port", str(port)])
+    assert rc == 2
+    _one_line_error(capsys, "100000")
