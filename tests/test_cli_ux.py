@@ -155,3 +155,25 @@ def test_serve_defaults_to_the_bundles_m(tmp_path, capsys):
         rc = main(["serve", str(bundle), "--port", str(port)])
     assert rc == 2
     _one_line_error(capsys, "100000")
+
+
+# ----------------------------------------------------------------------------- partition, misc
+
+
+def test_partition_refuses_an_existing_out_naming_the_cli_fix(parts, capsys):
+    assert main(["partition", "names2ids", "--out", str(parts), "--n-train", "8"]) == 2
+    err = _one_line_error(capsys, "--out", "already exists")
+    assert "pass overwrite" not in err  # a library argument, not a CLI option
+
+
+def test_partition_num_perm_out_of_range(tmp_path, capsys):
+    argv = ["partition", "names2ids", "--out", str(tmp_path / "p"), "--n-train", "8"]
+    assert main([*argv, "--num-perm", "0"]) == 2
+    _one_line_error(capsys, "--num-perm")
+
+
+@pytest.mark.parametrize("scale", ["-1", "0"])
+def test_prop_bounds_non_positive_q_scale(tmp_path, capsys, scale):
+    argv = ["prop-bounds", "--out", str(tmp_path / "o"), "--n", "50", "--trials", "2"]
+    assert main([*argv, "--q-scale", scale]) == 2
+    _one_line_error(capsys, "--q-scale")

@@ -34,7 +34,7 @@ def partition(
         ...,
         help="Built-in corpus (names2ids, pycode, pydocs) or a .jsonl/.csv file or dataset dir.",
     ),
-    k: int = typer.Option(2, "--k", help="Number of disjoint partitions (= constituents)."),
+    k: int = typer.Option(2, "--k", min=1, help="Number of disjoint partitions (= constituents)."),
     out: Path = typer.Option(..., "--out", help="Output directory (must not exist)."),
     n_train: int | None = typer.Option(None, "--n-train", help="Training examples (all)."),
     n_val: int | None = typer.Option(None, "--n-val", help="Validation examples held out."),
@@ -42,7 +42,7 @@ def partition(
     threshold: float = typer.Option(
         0.7, "--threshold", help="Jaccard (character 5-gram shingles) grouping near-duplicates."
     ),
-    num_perm: int = typer.Option(128, "--num-perm", help="MinHash permutations."),
+    num_perm: int = typer.Option(128, "--num-perm", min=16, max=1024, help="MinHash permutations."),
     field: list[str] | None = typer.Option(
         None, "--field", help="Field mapping OURS=THEIRS, e.g. --field prompt=question (repeat)."
     ),
@@ -51,10 +51,10 @@ def partition(
         "", "--canaries", help="Canary repetitions, e.g. 1,3,10 (empty: no canaries)."
     ),
     canaries_per_rep: int = typer.Option(
-        10, "--canaries-per-rep", help="Canaries per repetition count (as many held out)."
+        10, "--canaries-per-rep", min=1, help="Canaries per repetition count (as many held out)."
     ),
     canary_partition: int = typer.Option(
-        0, "--canary-partition", help="Partition that receives every canary copy."
+        0, "--canary-partition", min=0, help="Partition that receives every canary copy."
     ),
 ) -> None:
     """Split DATA into K disjoint partitions (near-duplicates together) and write DIR/manifest.json,
@@ -68,7 +68,10 @@ def partition(
         partition_records,
         save_partitions,
     )
+    from scpdr.errors import ConfigError
 
+    if out.exists():  # before the (possibly long) grouping, and naming the CLI's fix
+        raise ConfigError(f"--out {out} already exists; choose a new directory or remove it")
     corpus = load_corpus(
         data,
         n_train=n_train,

@@ -45,6 +45,8 @@ def prop_bounds(
         scale = None if q_scale.strip().lower() == "auto" else float(q_scale)
     except ValueError as exc:
         raise ConfigError(f"--p1 / --q-scale: not a number ({exc})") from None
+    if scale is not None and not scale > 0:
+        raise ConfigError(f"--q-scale must be a positive factor or 'auto', got {q_scale!r}")
     res = prop_bounds_experiment(n=n, m=m, trials=trials, p1_values=grid, q_scale=scale, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "prop_bounds.json", res.to_dict())
