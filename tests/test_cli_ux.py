@@ -177,3 +177,21 @@ def test_prop_bounds_non_positive_q_scale(tmp_path, capsys, scale):
     argv = ["prop-bounds", "--out", str(tmp_path / "o"), "--n", "50", "--trials", "2"]
     assert main([*argv, "--q-scale", scale]) == 2
     _one_line_error(capsys, "--q-scale")
+
+
+def test_experiment_force_that_matches_no_stage(tmp_path, capsys):
+    from scpdr.commands.demo import demo_config_path
+
+    argv = ["experiment", str(demo_config_path()), "--out", str(tmp_path / "r"), "--dry-run"]
+    assert main([*argv, "--force", "trian"]) == 2
+    _one_line_error(capsys, "--force 'trian'", "--dry-run")
+    assert main([*argv, "--force", "train"]) == 0
+    out = capsys.readouterr().out
+    assert "forced" in out and "train/" in out
+
+
+def test_demo_with_a_missing_config_names_it(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert main(["demo", "--config", str(missing), "--out", str(tmp_path / "d")]) == 2
+    _one_line_error(capsys, "nope.yaml", "does not exist")
+    assert not (tmp_path / "d").exists()

@@ -20,8 +20,11 @@ def demo(
     from rich.console import Console
 
     from scpdr.commands.experiment import run_and_print
+    from scpdr.experiment import load_config
 
-    result = run_and_print(config or demo_config_path(), out, force=[], progress=progress)
+    path = config or demo_config_path()
+    load_config(path)  # validate first: a missing file or a bad key is one line naming it
+    result = run_and_print(path, out, force=[], progress=progress)
     console = Console()
     for line in demo_checks(result.rows):
         console.print(line)

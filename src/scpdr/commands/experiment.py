@@ -3,6 +3,7 @@ attacks → bounds → report, each stage cached under a content hash (``scpdr.e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import typer
@@ -17,7 +18,7 @@ def experiment(
         [],
         "--force",
         help="Re-run these stages even when cached: a stage name or glob, e.g. 'attack/*' or "
-        "'train'. Repeatable.",
+        "'train' (one that matches no stage is an error). Repeatable.",
     ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Validate the config and list the stages (cached or to run)."
@@ -32,8 +33,10 @@ def experiment(
 
     load_config(config)  # validate first: errors name the key
     out_dir = out if out is not None else Path("runs") / config.stem
+    if force:
+        _check_force(config, force)
     if dry_run:
-        _print_plan(config, out_dir)
+        _print_plan(config, out_dir, force=force)
         return
     run_and_print(config, out_dir, force=force, progress=progress, keep_stale=keep_stale)
 
@@ -65,10 +68,27 @@ def run_and_print(
     return result
 
 
-def _print_plan(config: Path, out: Path) -> None:
+def _check_force(config: Path, force: list[str]) -> None:
+    """Every --force pattern must name at least one stage (a typo would silently re-run nothing)."""
+    from scpdr.errors import ConfigError
+    from scpdr.experiment import _matches, planned
+
+    _, stages, report = planned(config)
+    names = sorted({s.name for s in [*stages, report]})
+    unmatched = [p for p in force if not any(_matches(n, p) for n in names)]
+    if unmatched:
+        kinds = sorted({n.split("/")[0] for n in names})
+        raise ConfigError(
+            f"--force {', '.join(repr(p) for p in unmatched)} matches no stage of {config}; "
+            f"use a stage name or glob such as {', '.join(kinds)} or 'attack/*' "
+            "(`--dry-run` lists the stages)"
+        )
+
+
+def _print_plan(config: Path, out: Path, *, force: Sequence[str] = ()) -> None:
     from rich.console import Console
 
-    from scpdr.experiment import StageRunner, planned
+    from scpdr.experiment import StageRunner, _matches, planned
 
     cfg, stages, report = planned(config)
     runner = StageRunner(out, cfg, progress=False)
@@ -78,5 +98,8 @@ def _print_plan(config: Path, out: Path) -> None:
         if s.key in seen:
             continue
         seen.add(s.key)
-        status = "cached" if runner.is_done(s) else "to run"
+        if any(_matches(s.name, p) for p in force):
+            status = "forced"
+        else:
+            status = "cached" if runner.is_done(s) else "to run"
         console.print(f"{status:>7}  {s.name}  [dim]{s.hash[:16]}[/dim]")
