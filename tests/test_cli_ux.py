@@ -195,3 +195,15 @@ def test_demo_with_a_missing_config_names_it(tmp_path, capsys):
     assert main(["demo", "--config", str(missing), "--out", str(tmp_path / "d")]) == 2
     _one_line_error(capsys, "nope.yaml", "does not exist")
     assert not (tmp_path / "d").exists()
+
+
+def test_verbose_after_the_command_gets_a_hint(tmp_path, capsys):
+    assert main(["partition", "names2ids", "--out", str(tmp_path / "p"), "-v"]) == 2
+    assert "scpdr -v COMMAND" in capsys.readouterr().err
+
+
+def test_serve_bundle_errors_name_the_cli_option(tiny, capsys):
+    """The tiny bundle stores no constant vector: the fix is `--base model`, not `base='model'`."""
+    assert main(["serve", str(tiny), "--base", "constant"]) == 2
+    err = _one_line_error(capsys, "--base model")
+    assert "base='" not in err

@@ -50,7 +50,9 @@ def _register() -> None:
 
 @app.callback()
 def _root(
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at DEBUG level."),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Log at DEBUG level (before the command: scpdr -v eval ...)."
+    ),
 ) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
@@ -76,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         click_exc, abort = _click_exception_types()
         if isinstance(exc, click_exc):
             exc.show()
+            if getattr(exc, "option_name", None) in ("-v", "--verbose"):
+                typer.echo(
+                    "hint: -v/--verbose goes before the command: scpdr -v COMMAND ...", err=True
+                )
             return exc.exit_code
         if isinstance(exc, abort):
             return 1

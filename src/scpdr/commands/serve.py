@@ -73,7 +73,8 @@ def serve(
     except ScpdrError:
         raise
     except ValueError as exc:  # documented: a bad argument (m >= V, no base for --base model...)
-        raise ConfigError(str(exc)) from None
+        msg = str(exc).replace("base='constant'", "--base constant")
+        raise ConfigError(msg.replace("base='model'", "--base model")) from None
     engine = Engine(lm, max_batch=max_batch, max_queue=max_queue)
     config = ServeConfig(
         model_name=served_model_name or bundle.resolve().name,
