@@ -207,3 +207,11 @@ def test_serve_bundle_errors_name_the_cli_option(tiny, capsys):
     assert main(["serve", str(tiny), "--base", "constant"]) == 2
     err = _one_line_error(capsys, "--base model")
     assert "base='" not in err
+
+
+def test_train_on_a_partition_dir_refuses_options_it_would_ignore(parts, tmp_path, capsys):
+    out = tmp_path / "b"
+    argv = ["train", "--data", str(parts), "--out", str(out), "--base", "tiny", "--max-steps", "1"]
+    assert main([*argv, "--partitions", "3", "--canaries", "1,3"]) == 2
+    _one_line_error(capsys, "--partitions 3", "--canaries", "partition directory")
+    assert not out.exists()

@@ -15,8 +15,11 @@ def train(
         help="names2ids, pycode, pydocs, a .jsonl/.csv file, a dataset dir, or a partition dir "
         "written by `scpdr partition`.",
     ),
-    partitions: int = typer.Option(
-        2, "--partitions", min=1, help="Number of partitions/constituents."
+    partitions: int | None = typer.Option(
+        None,
+        "--partitions",
+        min=1,
+        help="Number of partitions/constituents (default 2; a partition dir DATA sets its own).",
     ),
     out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
     base: str = typer.Option(
@@ -103,6 +106,22 @@ def train(
     data_path = Path(data)
     if data_path.is_dir() and (data_path / "manifest.json").is_file():
         pset = load_partitions(data_path)
+        ignored = [
+            flag
+            for flag, given in (
+                ("--n-train", n_train is not None),
+                ("--n-val", n_val is not None),
+                ("--canaries", bool(canaries.strip())),
+                (f"--partitions {partitions}", partitions not in (None, pset.k)),
+            )
+            if given
+        ]
+        if ignored:
+            raise ConfigError(
+                f"{data} is a partition directory (already split in {pset.k} partitions), so "
+                f"{', '.join(ignored)} would be ignored; drop them, or pass the raw data and let "
+                "`scpdr train` partition it"
+            )
     else:
         corpus = load_corpus(data, n_train=n_train, n_val=n_val, seed=seed)
         reps = _parse_reps(canaries)
@@ -120,7 +139,7 @@ def train(
         )
         pset = partition_records(
             corpus.train,
-            k=partitions,
+            k=partitions if partitions is not None else 2,
             seed=seed,
             grouping=GroupingConfig(threshold=threshold),
             canaries=registry,
