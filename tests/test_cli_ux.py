@@ -215,3 +215,36 @@ def test_train_on_a_partition_dir_refuses_options_it_would_ignore(parts, tmp_pat
     assert main([*argv, "--partitions", "3", "--canaries", "1,3"]) == 2
     _one_line_error(capsys, "--partitions 3", "--canaries", "partition directory")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        (["eval", "--attacks", ""], "--attacks"),
+        (["eval", "--methods", ""], "--methods"),
+        (["bounds", "--methods", " , "], "--methods"),
+    ],
+)
+def test_an_empty_list_option_is_refused(tiny, parts, tmp_path, capsys, command, option):
+    """An empty --attacks/--methods used to write 0 result rows and exit 0."""
+    out = tmp_path / "o"
+    argv = [command[0], str(tiny), "--out", str(out), "--data", str(parts), *command[1:]]
+    assert main(argv) == 2
+    _one_line_error(capsys, f"{option} is empty")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "bounds", "prop-bounds", "experiment"])
+def test_an_out_that_is_a_file_is_refused_before_the_work(tiny, parts, tmp_path, capsys, command):
+    from scpdr.commands.demo import demo_config_path
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory\n", encoding="utf-8")
+    argv = {
+        "eval": ["eval", str(tiny), "--data", str(parts), "--attacks", "pii", "--methods", "none"],
+        "bounds": ["bounds", str(tiny), "--data", str(parts), "--methods", "cp-delta", "--n", "2"],
+        "prop-bounds": ["prop-bounds", "--n", "50", "--trials", "2"],
+        "experiment": ["experiment", str(demo_config_path()), "--dry-run"],
+    }[command]
+    assert main([*argv, "--out", str(afile)]) == 2
+    _one_line_error(capsys, f"--out {afile} is a file")

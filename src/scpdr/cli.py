@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         from scpdr.errors import ScpdrError
 
-        if isinstance(exc, (ScpdrError, FileNotFoundError)):
+        if isinstance(exc, (ScpdrError, *_PATH_ERRORS)):
             typer.echo(f"error: {exc}", err=True)
             return 2
         if _is_validation_error(exc):  # a CLI value a settings model rejects (e.g. --threshold 2)
@@ -98,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return 0
+
+
+# A path the user gave is missing, of the wrong kind or not writable: the OS message names it.
+_PATH_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 
 def _is_validation_error(exc: BaseException) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -34,3 +35,21 @@ def check_m(m: int | None, vocab_size: int) -> None:
             f"--m {m} must be smaller than the bundle's vocabulary size ({vocab_size}); "
             "the paper uses m = 10"
         )
+
+
+def check_out_dir(out: Path, option: str = "--out") -> None:
+    """``out`` must be a directory or not exist yet: checked before the work, not after it."""
+    from scpdr.errors import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{option} {out} is a file; pass a directory (created if missing)")
+
+
+def split_list(value: str, option: str, known: str) -> list[str]:
+    """A comma-separated option value as a non-empty list (an empty one would do nothing)."""
+    from scpdr.errors import ConfigError
+
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    if not items:
+        raise ConfigError(f"{option} is empty; pass a comma-separated list of {known}")
+    return items

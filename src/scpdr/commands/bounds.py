@@ -57,14 +57,14 @@ def bounds(
     from scpdr.attacks.results import save_results
     from scpdr.attacks.runner import EvalData, bundle_bases, bundle_data_dir
     from scpdr.attacks.scorer import encode
-    from scpdr.commands import check_m
-    from scpdr.commands.eval import _split
+    from scpdr.commands import check_m, check_out_dir, split_list
     from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
     from scpdr.protected import ProtectedLM
 
     log = logging.getLogger(__name__)
-    method_list = _split(methods)
+    check_out_dir(out)
+    method_list = split_list(methods, "--methods", _DEFAULT_METHODS.replace(",", ", "))
     specs = {name: split_bound_method(name) for name in method_list}
     manifest = M.read_bundle(bundle)
     check_m(m, manifest.vocab_size)

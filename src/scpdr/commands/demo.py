@@ -19,11 +19,13 @@ def demo(
     """Run the demo experiment (cached: a second run takes seconds) and print its main table."""
     from rich.console import Console
 
+    from scpdr.commands import check_out_dir
     from scpdr.commands.experiment import run_and_print
     from scpdr.experiment import load_config
 
     path = config or demo_config_path()
     load_config(path)  # validate first: a missing file or a bad key is one line naming it
+    check_out_dir(out)
     result = run_and_print(path, out, force=[], progress=progress)
     console = Console()
     for line in demo_checks(result.rows):

@@ -16,10 +16,6 @@ import typer
 _DEFAULT_METHODS = "none,cp-delta,cp-kl,cp-fuse,cp-delta-r,scp-delta-r-c,scp-delta-r-b"
 
 
-def _split(value: str) -> list[str]:
-    return [x.strip() for x in value.split(",") if x.strip()]
-
-
 def eval_(
     bundle: Path = typer.Argument(..., help="Bundle directory (scpdr.json)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory for results.json."),
@@ -91,14 +87,15 @@ def eval_(
         resolve_method,
         run_eval,
     )
-    from scpdr.commands import check_m
+    from scpdr.commands import check_m, check_out_dir, split_list
     from scpdr.io import atomic_write_json
     from scpdr.models import read_bundle
 
     log = logging.getLogger(__name__)
-    attack_list = _split(attacks)
+    check_out_dir(out)
+    attack_list = split_list(attacks, "--attacks", "canary, pii, tte, lira, utility")
     check_attacks(attack_list)  # before any model is loaded
-    method_list = _split(methods)
+    method_list = split_list(methods, "--methods", _DEFAULT_METHODS.replace(",", ", "))
     for name in method_list:
         resolve_method(name)
     manifest = read_bundle(bundle)

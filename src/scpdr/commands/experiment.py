@@ -29,10 +29,12 @@ def experiment(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Rich progress display."),
 ) -> None:
     """Run (or resume) an experiment and write results.json, report.md and report.html."""
+    from scpdr.commands import check_out_dir
     from scpdr.experiment import load_config
 
     load_config(config)  # validate first: errors name the key
     out_dir = out if out is not None else Path("runs") / config.stem
+    check_out_dir(out_dir)
     if force:
         _check_force(config, force)
     if dry_run:

@@ -36,10 +36,12 @@ def prop_bounds(
         plot_prop_bounds,
         prop_bounds_experiment,
     )
+    from scpdr.commands import check_out_dir
     from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
 
     log = logging.getLogger(__name__)
+    check_out_dir(out)
     try:
         grid = [float(x) for x in p1.split(",")] if p1 else list(DEFAULT_P1_VALUES)
         scale = None if q_scale.strip().lower() == "auto" else float(q_scale)
