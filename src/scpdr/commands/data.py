@@ -57,8 +57,8 @@ def partition(
         0, "--canary-partition", min=0, help="Partition that receives every canary copy."
     ),
 ) -> None:
-    """Split DATA into K disjoint partitions (near-duplicates together) and write DIR/manifest.json,
-    DIR/partition-<i>.jsonl, DIR/validation.jsonl and DIR/canaries.json."""
+    """Split DATA into --k disjoint partitions (near-duplicates together) and write --out DIR:
+    manifest.json, partition-<i>.jsonl, validation.jsonl, canaries.json; then audit them."""
     from scpdr.data import (
         CanaryConfig,
         GroupingConfig,

@@ -63,7 +63,7 @@ def train(
     method: str = typer.Option("scp-delta-r", "--method", help="Default method of the bundle."),
     m: int = typer.Option(10, "--m", min=1, help="Default smoothing parameter m of the bundle."),
 ) -> None:
-    """Train one constituent per partition of DATA and write a bundle to OUT."""
+    """Train one constituent per partition of --data and write a bundle to --out."""
     from scpdr.commands import check_method, format_validation_error
     from scpdr.commands.data import _parse_reps
     from scpdr.data import (
