@@ -248,3 +248,15 @@ def test_an_out_that_is_a_file_is_refused_before_the_work(tiny, parts, tmp_path,
     }[command]
     assert main([*argv, "--out", str(afile)]) == 2
     _one_line_error(capsys, f"--out {afile} is a file")
+
+
+def test_bounds_without_data_fails_before_loading_models(tiny, tmp_path, capsys):
+    """No --prompts/--data and no extra.partitions: that error comes first, before the models are
+    loaded (here a constituent's weights are corrupt, so loading would fail first)."""
+    import shutil
+
+    broken = tmp_path / "bundle"
+    shutil.copytree(tiny, broken)
+    (broken / "constituent-1" / "model.safetensors").write_bytes(b"not safetensors")
+    assert main(["bounds", str(broken), "--out", str(tmp_path / "o"), "--methods", "cp-delta"]) == 2
+    _one_line_error(capsys, "--prompts FILE or --data DIR")

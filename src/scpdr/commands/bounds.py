@@ -70,15 +70,8 @@ def bounds(
     check_m(m, manifest.vocab_size)
     if prompts is not None and not prompts.is_file():
         raise FileNotFoundError(f"--prompts {prompts}: no such file")
-    base_vector = bundle_bases(bundle, manifest, [src for _, src in specs.values()])
-    use_base = manifest.base is not None
-    scorer = ProtectedLM.from_bundle(
-        bundle, method="scp-delta-r", m=m, base="model" if use_base else "constant"
-    )
-    ref_scorer = None
-    if reference is not None:
-        ref_scorer = ProtectedLM.from_model(M.load_model(reference), scorer.tokenizer)
 
+    # the prompts first: a missing data source fails before any model loads
     canaries, space = [], None
     name = corpus or (manifest.extra.get("dataset") or {}).get("name") or "prompts"
     if prompts is not None:
@@ -96,6 +89,15 @@ def bounds(
     typical = typical[:n]
     if not typical:
         raise ConfigError("no prompts to compute bounds on")
+
+    base_vector = bundle_bases(bundle, manifest, [src for _, src in specs.values()])
+    use_base = manifest.base is not None
+    scorer = ProtectedLM.from_bundle(
+        bundle, method="scp-delta-r", m=m, base="model" if use_base else "constant"
+    )
+    ref_scorer = None
+    if reference is not None:
+        ref_scorer = ProtectedLM.from_model(M.load_model(reference), scorer.tokenizer)
     mm = scorer.m
     common = dict(
         methods=method_list,
