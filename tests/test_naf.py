@@ -214,6 +214,22 @@ def test_methods_match_reference_at_real_vocab_size(method):
     np.testing.assert_allclose(out.double().numpy(), want, atol=5e-5, rtol=0)
 
 
+@pytest.mark.parametrize("constant_base", [False, True])
+def test_scp_delta_r_with_a_shared_union_and_constant_base(constant_base):
+    """SCP-Δr computes only the union U of kept tokens exactly: with identical constituents every
+    kept token appears K times in U (with a per-row and a constant base)."""
+    x, base = make_logits(11, 3, (2,), 2000, 3.0, spikes=2)
+    x[1] = x[0]
+    x[2] = x[0]
+    if constant_base:
+        base = base[0]
+    out = naf.aggregate("scp-delta-r", x, base=base, m=10)
+    want, gap = ref_batch("scp-delta-r", x, base.expand(2, 2000), 10)
+    assert gap > 1e-4
+    assert_logprobs(out, (2, 2000))
+    np.testing.assert_allclose(out.double().numpy(), want, atol=5e-5, rtol=0)
+
+
 def test_scp_delta_r_at_50k_vocab_not_divisible_by_64():
     x, base = make_logits(3, 3, (1,), 50000, 2.0, spikes=2)
     out = naf.aggregate("scp-delta-r", x, base=base, m=10)
