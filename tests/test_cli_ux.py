@@ -260,3 +260,15 @@ def test_bounds_without_data_fails_before_loading_models(tiny, tmp_path, capsys)
     (broken / "constituent-1" / "model.safetensors").write_bytes(b"not safetensors")
     assert main(["bounds", str(broken), "--out", str(tmp_path / "o"), "--methods", "cp-delta"]) == 2
     _one_line_error(capsys, "--prompts FILE or --data DIR")
+
+
+def test_train_rerun_with_other_settings_names_a_cli_fix(tmp_path, capsys):
+    """The library says 'pass overwrite=True'; the CLI has no such option."""
+    out = tmp_path / "b"
+    argv = ["train", "--data", "names2ids", "--n-train", "8", "--n-val", "2", "--base", "tiny"]
+    argv += ["--out", str(out)]
+    assert main([*argv, "--max-steps", "1"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--max-steps", "2"]) == 2
+    err = _one_line_error(capsys, "choose another --out", f"delete {out}")
+    assert "overwrite=True" not in err
