@@ -4,8 +4,10 @@ For every method of ``scpdr.naf.METHODS`` (and CP-Fuse's ``cp_fuse_step``) and b
 B in {1, 8, 64}: the median time of aggregating K = 2 constituents (+ a base for the SCP
 methods) at V = 49152, divided by the median time of one KV-cached decode step (batch B, one new
 token after a 16-token prompt) of the real model, measured round-robin in the same run. Before
-each aggregation the logits are rewritten (untimed), as the models' heads write them right
-before aggregation in real decoding.
+each aggregation an untimed decode step runs and the logits are rewritten (untimed), as in real
+decoding, where the aggregation follows the model's step and its head has just written the
+logits: the aggregation sees the caches a decode step leaves, not ones warmed by the method
+timed before it.
 
 By default both are this thread's CPU time with one torch thread (``--clock cpu``): on a shared
 machine, wall time with two OpenMP threads swings by 10x with other processes' load (measured:
@@ -76,15 +78,23 @@ def main(argv: list[str] | None = None) -> int:
         src_base = shared + torch.randn(b, vocab, generator=gen)
         logps, base = src_logps.clone(), src_base.clone()
 
-        def fresh_logits(logps=logps, base=base, src_logps=src_logps, src_base=src_base) -> None:
-            # In decoding the models write the logits right before they are aggregated: the
-            # copy (untimed) makes them as cache-warm as that, after the decode step evicted them.
+        step = decode_step_fn(model, batch=b) if model is not None else None
+
+        def fresh_logits(
+            logps=logps, base=base, src_logps=src_logps, src_base=src_base, step=step
+        ) -> None:
+            # In decoding, every aggregation follows a decode step (which streams the weights
+            # through the caches), and the models' heads write the logits right before it: an
+            # untimed decode step, then an untimed copy of the logits. Without the step, each
+            # method would find the scratch buffers warm from the method timed before it.
+            if step is not None:
+                step()
             logps.copy_(src_logps)
             base.copy_(src_base)
 
         fns: dict = {}
-        if model is not None:
-            fns["decode"] = decode_step_fn(model, batch=b)
+        if step is not None:
+            fns["decode"] = step
         for method in naf.METHODS:
             fns[method] = (fresh_logits, partial(naf.aggregate, method, logps, base=base, m=10))
         with torch.inference_mode():
