@@ -18,6 +18,7 @@ from scpdr.attacks.prop_bounds import (
     plot_prop_bounds,
     prop_bounds_experiment,
 )
+from scpdr.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -76,3 +77,9 @@ def test_calibrated_scale_smooths_half_the_trials():
     )
     assert 0.3 <= res.smoothed_q["maybe_smoothed"] <= 0.7
     assert res.to_dict()["q_scale"] == pytest.approx(scale)
+
+
+@pytest.mark.parametrize("q_scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_q_scale_must_be_a_positive_finite_factor(q_scale):
+    with pytest.raises(ConfigError, match="q_scale must be a finite factor > 0"):
+        prop_bounds_experiment(n=100, m=10, trials=2, q_scale=q_scale)

@@ -203,3 +203,16 @@ def test_partition_errors():
     same = [Record.make(id="a", text="same text"), Record.make(id="b", text="same text")]
     with pytest.raises(DataError, match="pinned to different partitions"):
         partition_records(same, k=2, pins={"a": 0, "b": 1})
+
+
+def test_partition_refuses_to_leave_a_partition_empty():
+    recs = [
+        Record.make(id=f"r{i}", text=f"record number {i} about topic {i * 7}") for i in range(3)
+    ]
+    with pytest.raises(DataError, match=r"partition\(s\) \[3, 4\] would be empty.*lower k"):
+        partition_records(recs, k=5)
+    # exact duplicates form one group: 2 groups cannot fill 3 partitions
+    dup = [Record.make(id=f"d{i}", text="the very same text") for i in range(4)]
+    with pytest.raises(DataError, match="would be empty"):
+        partition_records([*dup, recs[0]], k=3)
+    assert len(partition_records(recs, k=3).parts) == 3

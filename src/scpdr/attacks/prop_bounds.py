@@ -226,6 +226,10 @@ def prop_bounds_experiment(
     bad = [x for x in methods if x not in bounds.V_X_METHODS]
     if bad:
         raise ConfigError(f"no v_x bound for {bad}; known: {list(bounds.V_X_METHODS)}")
+    if q_scale is not None and not (math.isfinite(q_scale) and q_scale > 0):
+        raise ConfigError(
+            f"q_scale must be a finite factor > 0 (or None: calibrate), got {q_scale}"
+        )
     if q_scale is None:
         q_scale = calibrate_q_scale(n=n, m=m, trials=trials, seed=seed)
     res = PropBoundsResult(

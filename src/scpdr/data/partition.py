@@ -318,6 +318,13 @@ def partition_records(
     parts: list[list[Record]] = [[] for _ in range(k)]
     for i, r in enumerate(records):
         parts[assign[i]].append(r)
+    empty = [p for p, part in enumerate(parts) if not part]
+    if empty:
+        raise DataError(
+            f"{len(records)} records in {len(groups)} near-duplicate group(s) cannot fill k = {k} "
+            f"partitions: partition(s) {empty} would be empty and their constituents would train "
+            "on nothing; lower k (--k) or add records"
+        )
     manifest = PartitionManifest(
         k=k,
         seed=seed,
