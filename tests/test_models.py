@@ -261,3 +261,11 @@ def test_write_bundle_rejects_mismatched_vocab(tiny_dirs, tmp_path):
         models.write_bundle(tmp_path / "b", base=tiny_dirs / "base", constituents=[odd])
     assert "base" in str(ei.value) and "constituent 0" in str(ei.value)
     assert not (tmp_path / "b" / "scpdr.json").exists()
+
+
+@pytest.mark.parametrize("m", [0, 49152, 10**6])
+def test_write_bundle_rejects_m_out_of_range_and_writes_nothing(tiny_dirs, tmp_path, m):
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match="m"):
+        models.write_bundle(out, base=tiny_dirs / "base", constituents=[tiny_dirs / "base"], m=m)
+    assert not out.exists()
