@@ -143,11 +143,15 @@ def test_serve_bad_options_are_one_line(tiny, capsys, extra, needle):
 
 def test_serve_defaults_to_the_bundles_m(tmp_path, capsys):
     """A bundle whose m cannot run (m >= V): `serve` without --m must use it, not a fixed 10."""
+    import json
     import socket
 
     from scpdr.testing import make_tiny_bundle
 
-    bundle = make_tiny_bundle(tmp_path / "b", k=2, constant_base=False, m=100_000)
+    bundle = make_tiny_bundle(tmp_path / "b", k=2, constant_base=False)
+    manifest = json.loads((bundle / "scpdr.json").read_text())  # write_bundle refuses m >= V:
+    manifest["m"] = 100_000  # a hand-edited manifest
+    (bundle / "scpdr.json").write_text(json.dumps(manifest))
     with socket.socket() as busy:  # should the bundle's m be ignored, uvicorn fails to bind
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -257,3 +257,25 @@ def test_prop_bounds_cli(tmp_path):
         "not_smoothed",
     }
     assert (tmp_path / "prop_bounds.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_default_methods_skip_what_the_bundle_cannot_run(world, tmp_path, caplog):
+    """A bundle without a constant base vector: the default methods run without the '-c'
+    variant (and say so) instead of failing; asking for it explicitly is still an error."""
+    from scpdr import models
+
+    src = models.read_bundle(world["bundle"])
+    plain = models.write_bundle(
+        tmp_path / "plain",
+        base=models.resolve_ref(world["bundle"], src.base),
+        constituents=[models.resolve_ref(world["bundle"], c) for c in src.constituents],
+    )
+    out = tmp_path / "ev"
+    args = ["eval", str(plain), "--data", str(world["parts"]), "--attacks", "utility"]
+    with caplog.at_level("WARNING"):
+        rc = main([*args, "--out", str(out), "--utility-n", "2", "--max-tokens", "8"])
+    assert rc == 0
+    methods = {r.method for r in load_results(out / "results.json")}
+    assert "scp-delta-r-b" in methods and "scp-delta-r-c" not in methods
+    assert "scp-delta-r-c" in caplog.text
+    assert main([*args, "--out", str(tmp_path / "ev2"), "--methods", "scp-delta-r-c"]) != 0

@@ -90,8 +90,10 @@ class EvalData:
     pii_val: list[PIIRecord] = field(default_factory=list)
     canaries: list[Canary] = field(default_factory=list)
     canary_space: CanarySpace | None = None
-    members: list[str] | None = None
-    nonmembers: list[str] | None = None
+    # LiRA's examples: texts, or records (a prompted record is scored on its response given its
+    # prompt, the paper's r(y|x)); None = ``train`` / ``validation``
+    members: list[Any] | None = None
+    nonmembers: list[Any] | None = None
 
     @staticmethod
     def pii_records(records: Sequence[Any]) -> list[PIIRecord]:
@@ -133,6 +135,8 @@ class EvalData:
             validation=[r.text for r in pset.validation],
             pii=cls.pii_records(part),
             pii_val=cls.pii_records(pset.validation),
+            members=list(part),
+            nonmembers=list(pset.validation),
         )
         if reg is not None:
             words = load_wordlist()
@@ -390,12 +394,18 @@ def bundle_bases(bundle: str | Path, manifest: Any, sources: Iterable[str | None
 
     sources = set(sources)
     if "model" in sources and manifest.base is None:
-        raise ConfigError(f"bundle {bundle} has no base model: drop the '-b' methods")
+        raise ConfigError(
+            f"bundle {bundle} has no base model: drop the '-b' methods from --methods, or "
+            "re-bundle with a base (`scpdr bundle --base REF`)"
+        )
     if "constant" not in sources:
         return None
     base_vector = M.load_constant_base(bundle, manifest)
     if base_vector is None:
-        raise ConfigError(f"bundle {bundle} stores no constant base vector: drop the '-c' methods")
+        raise ConfigError(
+            f"bundle {bundle} stores no constant base vector: drop the '-c' methods from "
+            "--methods, or re-bundle with `scpdr bundle --held-out PROMPTS.txt` (stores it)"
+        )
     return base_vector
 
 

@@ -100,13 +100,24 @@ def eval_(
         resolve_method(name)
     manifest = read_bundle(bundle)
     check_m(m, manifest.vocab_size)
+    if methods == _DEFAULT_METHODS:  # the defaults: only the variants this bundle can run
+        lacks = {"model": manifest.base is None, "constant": manifest.constant_base is None}
+        dropped = [n for n in method_list if lacks.get(resolve_method(n)[1] or "", False)]
+        if dropped:
+            log.warning(
+                "bundle %s lacks what %s need (a base model for '-b', a constant base vector for "
+                "'-c': `scpdr bundle --base/--held-out`); the default methods skip them",
+                bundle,
+                ", ".join(dropped),
+            )
+            method_list = [n for n in method_list if n not in dropped]
     data = bundle_data_dir(bundle, manifest, data)
     dataset_name = (manifest.extra.get("dataset") or {}).get("name")
     eval_data = EvalData.from_partitions(data, target=target, corpus=corpus or dataset_name)
     if members is not None:
         from scpdr.data import load_records
 
-        eval_data.members = [r.text for r in load_records(members)]
+        eval_data.members = list(load_records(members))  # prompted: the response given the prompt
     scorers, reference_of, q_scorer = load_bundle_scorers(
         bundle, method_list, m=m, reference=reference
     )
