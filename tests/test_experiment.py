@@ -191,6 +191,23 @@ def test_plan_hashes_depend_only_on_relevant_settings():
     assert "train" in changed and "data" not in changed and "partitions" not in changed
 
 
+def test_sweep_point_stages_carry_their_sweep_value_in_the_label():
+    from scpdr.experiment import _matches_stage
+
+    cfg = validate_config(tiny_dict())  # sweeps m over [1, 100], train.epochs over [1, 2] (1: main)
+    planned_stages, _ = plan(cfg)
+    stages = list({s.key: s for s in planned_stages}.values())  # the runner runs each key once
+    labels = [s.label for s in stages]
+    assert len(labels) == len(set(labels)), "two stages share a display label"
+    canary_m1 = [s for s in stages if s.label == "attack/names2ids/scp-delta-r-b/canary [m=1]"]
+    assert len(canary_m1) == 1 and canary_m1[0].name == "attack/names2ids/scp-delta-r-b/canary"
+    assert any(s.label.startswith("train/") and "[train.epochs=2]" in s.label for s in stages)
+    main_stage = next(s for s in stages if s.name == "data/names2ids")
+    assert main_stage.label == main_stage.name  # shared with the main run: no sweep tag
+    forced = [s for s in stages if _matches_stage(s, canary_m1[0].label)]
+    assert forced == canary_m1
+
+
 # ----------------------------------------------------------------------------- runner
 
 

@@ -723,6 +723,12 @@ class Stage:
         self.hash = hashlib.sha256(_canonical(payload).encode()).hexdigest()
 
     @property
+    def label(self) -> str:
+        """The name, plus the sweep point (``[m=100]``) for a stage only a sweep runs: sweep points
+        share the main run's stage names, and the display and ``--force`` tell them apart by this."""
+        return self.meta.get("label", self.name)
+
+    @property
     def key(self) -> str:
         return f"{self.name}@{self.hash[:_HASH_LEN]}"
 
@@ -765,11 +771,11 @@ class StageRunner:
 
     def run_all(self, stages: Sequence[Stage], *, force: Sequence[str] = ()) -> list[StageOutcome]:
         order = _topological(stages)
-        forced = [s for s in order if any(_matches(s.name, pat) for pat in force)]
+        forced = [s for s in order if any(_matches_stage(s, pat) for pat in force)]
         with _progress(self.progress, len(order)) as advance:
             for stage in order:
                 if stage.key in self.outcomes:
-                    advance(stage.name, "cached", 0.0)
+                    advance(stage.label, "cached", 0.0)
                     continue
                 outcome = self._run_one(stage, force=stage in forced, advance=advance)
                 self.outcomes[stage.key] = outcome
@@ -778,7 +784,7 @@ class StageRunner:
     def _run_one(self, stage: Stage, *, force: bool, advance: Callable[..., None]) -> StageOutcome:
         final = self.stage_dir(stage)
         if not force and self.is_done(stage):
-            advance(stage.name, "cached", 0.0)
+            advance(stage.label, "cached", 0.0)
             return StageOutcome(stage.name, stage.hash, "cached", 0.0, final)
         partial = final.with_name(final.name + ".partial")
         if force and partial.exists():
@@ -797,7 +803,7 @@ class StageRunner:
         for role, d in stage.deps.items():
             if not self.is_done(d):
                 raise ScpdrError(f"stage {stage.name}: dependency {role} ({d.name}) is not done")
-        advance(stage.name, "running", None)
+        advance(stage.label, "running", None)
         t0 = time.perf_counter()
         logger.debug("stage %s: running in %s", stage.name, partial)
         stage.run(
@@ -816,7 +822,7 @@ class StageRunner:
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
-        advance(stage.name, "ran", seconds)
+        advance(stage.label, "ran", seconds)
         return StageOutcome(stage.name, stage.hash, "ran", seconds, final)
 
     def collect_garbage(self, stages: Sequence[Stage]) -> list[Path]:
@@ -837,10 +843,19 @@ class StageRunner:
         return removed
 
 
+def _matches_stage(stage: Stage, pattern: str) -> bool:
+    """``--force`` matching on the stage's name or its label (``"attack/*[m=100]"``)."""
+    return _matches(stage.name, pattern) or _matches(stage.label, pattern)
+
+
 def _matches(name: str, pattern: str) -> bool:
     import fnmatch
 
-    return fnmatch.fnmatch(name, pattern) or name.startswith(pattern.rstrip("/") + "/")
+    return (
+        name == pattern
+        or fnmatch.fnmatch(name, pattern)
+        or name.startswith(pattern.rstrip("/") + "/")
+    )
 
 
 def _topological(stages: Sequence[Stage]) -> list[Stage]:
@@ -874,6 +889,7 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[..., None]]:
         yield quiet
         return
     from rich.console import Console
+    from rich.markup import escape as rich_escape
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -897,6 +913,7 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[..., None]]:
         task = progress.add_task("", total=total)
 
         def advance(name: str, status: str, seconds: float | None) -> None:
+            name = rich_escape(name)  # a sweep label holds "[m=100]"
             if status == "running":
                 progress.update(task, description=f"[cyan]{name}[/] …")
                 return
@@ -994,6 +1011,10 @@ def plan(cfg: ExperimentConfig) -> tuple[list[Stage], Stage]:
             point_cfg = _sweep_point(cfg, sweep, value, where=f"sweeps.{i}")
             point = _plan_point(point_cfg, _base_stage(point_cfg))
             tag = {"sweep": sweep.key, "sweep_value": value}
+            main_keys = {m.key for m in main}
+            for st in point:
+                if st.key not in main_keys:
+                    st.meta.setdefault("label", f"{st.name} [{sweep.key}={value}]")
             stages += point
             sources += [(f"sweep{i}={value!s}:{s.name}", s, tag) for s in point]
     result_stages = [(role, s, tag) for role, s, tag in sources if s.kind in ("attack", "bounds")]

@@ -76,7 +76,7 @@ def _check_force(config: Path, force: list[str]) -> None:
     from scpdr.experiment import _matches, planned
 
     _, stages, report = planned(config)
-    names = sorted({s.name for s in [*stages, report]})
+    names = sorted({s.name for s in [*stages, report]} | {s.label for s in [*stages, report]})
     unmatched = [p for p in force if not any(_matches(n, p) for n in names)]
     if unmatched:
         kinds = sorted({n.split("/")[0] for n in names})
@@ -89,8 +89,9 @@ def _check_force(config: Path, force: list[str]) -> None:
 
 def _print_plan(config: Path, out: Path, *, force: Sequence[str] = ()) -> None:
     from rich.console import Console
+    from rich.markup import escape as rich_escape
 
-    from scpdr.experiment import StageRunner, _matches, planned
+    from scpdr.experiment import StageRunner, _matches_stage, planned
 
     cfg, stages, report = planned(config)
     runner = StageRunner(out, cfg, progress=False)
@@ -100,8 +101,8 @@ def _print_plan(config: Path, out: Path, *, force: Sequence[str] = ()) -> None:
         if s.key in seen:
             continue
         seen.add(s.key)
-        if any(_matches(s.name, p) for p in force):
+        if any(_matches_stage(s, p) for p in force):
             status = "forced"
         else:
             status = "cached" if runner.is_done(s) else "to run"
-        console.print(f"{status:>7}  {s.name}  [dim]{s.hash[:16]}[/dim]")
+        console.print(f"{status:>7}  {rich_escape(s.label)}  [dim]{s.hash[:16]}[/dim]")
