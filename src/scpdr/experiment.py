@@ -586,6 +586,10 @@ def load_config(path: str | os.PathLike[str], *, _depth: int = 0) -> ExperimentC
     import yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"config {path} is a directory; a YAML config file is expected (e.g. configs/demo.yaml)"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
