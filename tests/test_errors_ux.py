@@ -3,12 +3,13 @@ CLI (exit 2), never a traceback or a message about a hidden temp file."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from scpdr.cli import main
-from scpdr.errors import ConfigError
+from scpdr.errors import BundleError, ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +49,37 @@ def test_config_that_is_a_directory_says_so(tmp_path, capsys):
     assert main(["experiment", str(tmp_path), "--dry-run"]) == 2
     (line,) = _error_lines(capsys)
     assert "is a directory" in line and "configs/demo.yaml" in line
+
+
+# ----------------------------------------------------------------------------- 2. corrupt weights
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors_is_a_bundle_error_naming_the_file(tiny, tmp_path, damage):
+    from safetensors import SafetensorError
+
+    from scpdr.models import load_model
+
+    bundle = Path(shutil.copytree(tiny, tmp_path / "b"))
+    weights = bundle / "constituent-1" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:100] if damage == "truncate" else b"\xff" * 16)
+    with pytest.raises(BundleError) as info:
+        load_model(bundle / "constituent-1")
+    msg = str(info.value)
+    assert str(weights) in msg
+    assert "re-train" in msg and "copy the model again" in msg
+    assert isinstance(info.value.__cause__, SafetensorError)
+    load_model(bundle / "constituent-0")  # the intact one still loads
+
+
+def test_corrupt_safetensors_is_one_cli_line(tiny, tmp_path, capsys):
+    bundle = Path(shutil.copytree(tiny, tmp_path / "b"))
+    weights = bundle / "constituent-1" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Name: Ada Lovelace, ID:\n", encoding="utf-8")
+    argv = ["bounds", str(bundle), "--out", str(tmp_path / "o"), "--prompts", str(prompts)]
+    assert main([*argv, "--methods", "cp-delta", "--n", "1", "--max-tokens", "2"]) == 2
+    (line,) = _error_lines(capsys)
+    assert str(weights) in line and "re-train" in line

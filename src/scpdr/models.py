@@ -273,18 +273,46 @@ def load_model(ref: Ref, *, dtype: torch.dtype | None = None) -> PreTrainedModel
     path = Path(os.fspath(ref))
     if kind == "gguf":
         return _load_gguf_model(path, dtype)
+    from safetensors import SafetensorError
+
     if kind == "peft":
         try:
             from peft import PeftModel
         except ImportError as exc:  # pragma: no cover - peft is a dependency
             raise missing_dependency("peft") from exc
         base = load_model(_adapter_base_ref(path), dtype=dtype)
-        peft_model = PeftModel.from_pretrained(base, str(path))
+        try:
+            peft_model = PeftModel.from_pretrained(base, str(path))
+        except SafetensorError as exc:
+            raise _unreadable_weights(path, exc) from exc
         _untie_adapted_head(peft_model.get_base_model())
         return peft_model.merge_and_unload().eval()
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    except SafetensorError as exc:
+        raise _unreadable_weights(path, exc) from exc
+
+
+def _unreadable_weights(path: Path, exc: Exception) -> BundleError:
+    """A truncated or corrupt ``*.safetensors`` under ``path``: name the file and the fix."""
+    from safetensors import SafetensorError, safe_open
+
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    bad = path
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            bad = f
+            break
+    return BundleError(
+        f"{bad}: the model weights cannot be read ({exc}); the file is truncated or corrupt "
+        "(an interrupted copy or save?): copy the model again from its source, or re-train it "
+        "(scpdr train)"
+    )
 
 
 def _untie_adapted_head(model: PreTrainedModel) -> None:
