@@ -3,6 +3,7 @@ CLI (exit 2), never a traceback or a message about a hidden temp file."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -83,3 +84,44 @@ def test_corrupt_safetensors_is_one_cli_line(tiny, tmp_path, capsys):
     assert main([*argv, "--methods", "cp-delta", "--n", "1", "--max-tokens", "2"]) == 2
     (line,) = _error_lines(capsys)
     assert str(weights) in line and "re-train" in line
+
+
+# ----------------------------------------------------------------------------- 3. eval, no data
+
+
+def test_eval_with_only_attacks_lacking_data_fails_and_writes_nothing(
+    tiny, parts_without_canaries, tmp_path, capsys
+):
+    out = tmp_path / "o"
+    out.mkdir()
+    previous = '[{"kept": true}]\n'
+    (out / "results.json").write_text(previous, encoding="utf-8")
+    argv = ["eval", str(tiny), "--data", str(parts_without_canaries), "--out", str(out)]
+    assert main([*argv, "--attacks", "canary", "--methods", "cp-delta"]) == 2
+    (line,) = _error_lines(capsys)
+    assert "canary" in line and "no canaries" in line and "--canaries" in line
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+    assert (out / "results.json").read_text(encoding="utf-8") == previous
+
+    fresh = tmp_path / "fresh"  # nor is the output directory created
+    argv = ["eval", str(tiny), "--data", str(parts_without_canaries), "--out", str(fresh)]
+    assert main([*argv, "--attacks", "canary", "--methods", "cp-delta"]) == 2
+    assert not fresh.exists()
+
+
+def test_eval_runs_the_attacks_that_have_data(tiny, parts_without_canaries, tmp_path, caplog):
+    out = tmp_path / "o"
+    argv = ["eval", str(tiny), "--data", str(parts_without_canaries), "--out", str(out)]
+    argv += ["--attacks", "canary,pii", "--methods", "cp-delta", "--pii-n", "2"]
+    assert main(argv) == 0
+    rows = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert {r["attack"] for r in rows} == {"pii"}
+    assert "canary skipped: no canaries" in caplog.text
+
+
+def test_missing_data_names_each_attack_without_data(parts_without_canaries):
+    from scpdr.attacks.runner import ATTACKS, EvalData, missing_data
+
+    data = EvalData.from_partitions(parts_without_canaries)
+    assert missing_data(data, ATTACKS) == {"canary": "no canaries in the data"}
+    assert set(missing_data(EvalData(), ATTACKS)) == set(ATTACKS)

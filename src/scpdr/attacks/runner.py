@@ -41,6 +41,7 @@ __all__ = [
     "bundle_data_dir",
     "check_attacks",
     "load_bundle_scorers",
+    "missing_data",
     "resolve_method",
     "run_eval",
 ]
@@ -195,6 +196,54 @@ def _take(xs: Sequence[Any] | None, n: int | None) -> list[Any]:
     return xs if n is None else xs[:n]
 
 
+def _examples(data: EvalData, opts: EvalOptions) -> dict[str, tuple[list[Any], Any, str]]:
+    """attack -> (examples, "none-val" examples or None, what is missing when there are none);
+    LiRA's second item is its non-members."""
+    return {
+        "canary": (
+            list(data.canaries) if data.canary_space is not None else [],
+            None,
+            "no canaries in the data",
+        ),
+        "pii": (
+            _take(data.pii, opts.pii_n),
+            _take(data.pii_val, opts.pii_n),
+            "no Names2IDs records in the data",
+        ),
+        "tte": (
+            _take(data.train, opts.tte_n),
+            _take(data.validation, opts.tte_n),
+            "no training texts",
+        ),
+        "lira": (
+            _take(data.members if data.members is not None else data.train, opts.lira_n),
+            _take(data.nonmembers if data.nonmembers is not None else data.validation, opts.lira_n),
+            "no members or no non-members (training and validation examples)",
+        ),
+        "utility": (
+            _take(data.validation, opts.utility_n),
+            None,
+            "no validation texts",
+        ),
+    }
+
+
+def missing_data(
+    data: EvalData, attacks: Sequence[str], options: EvalOptions | None = None
+) -> dict[str, str]:
+    """``{attack: what is missing}`` for each of ``attacks`` that ``data`` gives nothing to
+    attack (:func:`run_eval` skips it). Check it before loading models: when it names every
+    requested attack, an evaluation would produce no rows."""
+    check_attacks(attacks)
+    ex = _examples(data, options or EvalOptions())
+    out = {}
+    for attack in attacks:
+        examples, second, missing = ex[attack]
+        if not examples or (attack == "lira" and not second):
+            out[attack] = missing
+    return out
+
+
 def run_eval(
     scorers: Mapping[str, Scorer],
     data: EvalData,
@@ -285,49 +334,19 @@ def run_eval(
         res = utility(scorer, val, max_tokens=opts.utility_max_tokens, batch_size=opts.batch_size)
         return res.rows(method=name, corpus=corpus)
 
-    # attack -> (examples, "none-val" examples, rows_of, what is missing when there are none)
-    per_example = {
-        "canary": (
-            list(data.canaries) if data.canary_space is not None else [],
-            None,
-            canary_rows,
-            "no canaries in the data",
-        ),
-        "pii": (
-            _take(data.pii, opts.pii_n),
-            _take(data.pii_val, opts.pii_n),
-            pii_rows,
-            "no Names2IDs records in the data",
-        ),
-        "tte": (
-            _take(data.train, opts.tte_n),
-            _take(data.validation, opts.tte_n),
-            tte_rows,
-            "no training texts",
-        ),
-        "utility": (
-            _take(data.validation, opts.utility_n),
-            None,
-            utility_rows,
-            "no validation texts",
-        ),
-    }
+    examples_of = _examples(data, opts)
+    rows_of = {"canary": canary_rows, "pii": pii_rows, "tte": tte_rows, "utility": utility_rows}
 
     for method, scorer in scorers.items():
         for attack in attacks:
-            if attack in per_example:
-                examples, none_val, rows_of, missing = per_example[attack]
+            if attack in rows_of:
+                examples, none_val, missing = examples_of[attack]
                 if not examples:
                     log.info("%s: %s, skipped", attack, missing)
                     continue
-                timed_rows(method, attack, scorer, examples, rows_of, none_val=none_val)
+                timed_rows(method, attack, scorer, examples, rows_of[attack], none_val=none_val)
             elif attack == "lira":
-                members = _take(
-                    data.members if data.members is not None else data.train, opts.lira_n
-                )
-                non = _take(
-                    data.nonmembers if data.nonmembers is not None else data.validation, opts.lira_n
-                )
+                members, non, _ = examples_of["lira"]
                 ref = ref_of(method)
                 if not members or not non or ref is None:
                     log.info(

@@ -79,15 +79,18 @@ def eval_(
     from scpdr.attacks.lira import plot_roc
     from scpdr.attacks.results import save_results
     from scpdr.attacks.runner import (
+        ATTACKS,
         EvalData,
         EvalOptions,
         bundle_data_dir,
         check_attacks,
         load_bundle_scorers,
+        missing_data,
         resolve_method,
         run_eval,
     )
     from scpdr.commands import check_m, check_out_dir, split_list
+    from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
     from scpdr.models import read_bundle
 
@@ -118,9 +121,6 @@ def eval_(
         from scpdr.data import load_records
 
         eval_data.members = list(load_records(members))  # prompted: the response given the prompt
-    scorers, reference_of, q_scorer = load_bundle_scorers(
-        bundle, method_list, m=m, reference=reference
-    )
     options = EvalOptions(
         n_reference=n_reference,
         batch_size=batch_size,
@@ -134,9 +134,39 @@ def eval_(
         utility_max_tokens=max_tokens,
         seed=seed,
     )
+    # before any model loads: an attack without its data is skipped; none left is an error
+    missing = missing_data(eval_data, attack_list, options)
+    if set(missing) == set(attack_list):
+        usable = [a for a in ATTACKS if a not in missing_data(eval_data, ATTACKS, options)]
+        raise ConfigError(
+            f"nothing to evaluate: every attack of --attacks lacks its data in {data} ("
+            + "; ".join(f"{a}: {why}" for a, why in missing.items())
+            + ")"
+            + (
+                f"; it supports --attacks {','.join(usable)}"
+                if usable
+                else "; pass --data with a partition directory that has the data"
+            )
+            + (
+                " (canaries are added by `scpdr partition ... --canaries 1,3,10`)"
+                if "canary" in missing
+                else ""
+            )
+            + "; nothing was written"
+        )
+    for a, why in missing.items():
+        log.warning("%s skipped: %s (%s)", a, why, data)
+    scorers, reference_of, q_scorer = load_bundle_scorers(
+        bundle, method_list, m=m, reference=reference
+    )
     report = run_eval(
         scorers, eval_data, attack_list, options=options, reference=reference_of, q_scorer=q_scorer
     )
+    if not report.rows:  # e.g. LiRA alone without a reference model
+        raise ConfigError(
+            f"no result rows: every attack of --attacks {','.join(attack_list)} was skipped "
+            "(the log says why); nothing was written"
+        )
     out.mkdir(parents=True, exist_ok=True)
     save_results(report.rows, out / "results.json")
     atomic_write_json(out / "timings.json", report.timings)
