@@ -3,6 +3,7 @@ CLI (exit 2), never a traceback or a message about a hidden temp file."""
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -125,3 +126,42 @@ def test_missing_data_names_each_attack_without_data(parts_without_canaries):
     data = EvalData.from_partitions(parts_without_canaries)
     assert missing_data(data, ATTACKS) == {"canary": "no canaries in the data"}
     assert set(missing_data(EvalData(), ATTACKS)) == set(ATTACKS)
+
+
+# ----------------------------------------------------------------------------- 4. atomic writes
+
+
+def test_atomic_write_error_names_the_target_not_the_temp_file(tmp_path):
+    from scpdr.io import atomic_write_json
+
+    target = tmp_path / "results.json"
+    target.mkdir()  # os.replace cannot put a file over a directory
+    with pytest.raises(IsADirectoryError) as info:
+        atomic_write_json(target, {"a": 1})
+    assert str(target) in str(info.value)
+    assert ".tmp" not in str(info.value)
+    assert ".tmp" in str(info.value.__cause__)  # the original is kept as the cause
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temp file left
+
+
+def test_atomic_write_disk_full_names_the_target(tmp_path):
+    from scpdr.io import atomic_write
+
+    def write(tmp: Path) -> None:  # what a full disk raises: the OS names the file written
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+
+    target = tmp_path / "model.bin"
+    with pytest.raises(OSError) as info:
+        atomic_write(target, write)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == str(target)
+    assert ".tmp" not in str(info.value)
+    assert isinstance(info.value.__cause__, OSError)
+    assert list(tmp_path.iterdir()) == []
+
+    def write_plain(tmp: Path) -> None:  # an OSError without errno that names the temp file
+        raise OSError(f"could not serialize to {tmp}")
+
+    with pytest.raises(OSError, match=r"model\.bin") as info:
+        atomic_write(target, write_plain)
+    assert ".tmp" not in str(info.value)

@@ -11,19 +11,42 @@ from typing import Any
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_path)`` then atomically rename ``tmp_path`` onto ``path``."""
+    """Call ``write(tmp_path)`` then atomically rename ``tmp_path`` onto ``path``.
+
+    An :class:`OSError` (permission denied, disk full, ``path`` is a directory, ...) names
+    ``path``, not the hidden temp file; the original is its ``__cause__``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _naming_target(exc, path, None) from exc
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         write(tmp_path)
         os.replace(tmp_path, path)
+    except OSError as exc:
+        tmp_path.unlink(missing_ok=True)
+        raise _naming_target(exc, path, tmp_path) from exc
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
     return path
+
+
+def _naming_target(exc: OSError, path: Path, tmp: Path | None) -> OSError:
+    """``exc`` told about ``path`` instead of the temp file (same errno, so the same subclass:
+    ``OSError(errno, ...)`` gives PermissionError, IsADirectoryError, ...)."""
+    if exc.errno is not None and exc.strerror:
+        return OSError(exc.errno, exc.strerror, str(path))
+    msg = str(exc)
+    if tmp is not None:
+        msg = msg.replace(str(tmp), str(path))
+    try:
+        return type(exc)(f"cannot write {path}: {msg}")
+    except TypeError:  # a subclass with its own constructor
+        return OSError(f"cannot write {path}: {msg}")
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
