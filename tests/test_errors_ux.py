@@ -165,3 +165,34 @@ def test_atomic_write_disk_full_names_the_target(tmp_path):
     with pytest.raises(OSError, match=r"model\.bin") as info:
         atomic_write(target, write_plain)
     assert ".tmp" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- 5. "pass overwrite"
+
+
+def test_finetune_over_another_run_says_what_the_user_can_do(tmp_path):
+    from scpdr.data import Record
+    from scpdr.train import TRAIN_INFO, finetune
+
+    out = tmp_path / "constituent-0"
+    out.mkdir()
+    (out / TRAIN_INFO).write_text('{"fingerprint": "another run"}', encoding="utf-8")
+    records = [Record(id="a", text="hello world")]
+    with pytest.raises(ConfigError) as info:
+        finetune(records, base="embedded", out=out)
+    msg = str(info.value)
+    assert f"delete {out} to train there again" in msg and "choose another --out" in msg
+    assert "pass overwrite" not in msg
+    assert "in Python: another out, or finetune's overwrite argument" in msg
+
+
+def test_save_partitions_over_a_directory_says_what_the_user_can_do(parts_without_canaries):
+    from scpdr.data.partition import load_partitions, save_partitions
+    from scpdr.data.records import DataError
+
+    pset = load_partitions(parts_without_canaries)
+    with pytest.raises(DataError) as info:
+        save_partitions(parts_without_canaries, pset)
+    msg = str(info.value)
+    assert "delete it or choose another output directory" in msg
+    assert "in Python, save_partitions(..., overwrite=True)" in msg

@@ -394,8 +394,9 @@ def finetune(
             return out
         if not overwrite:
             raise ConfigError(
-                f"{out} holds a model trained with other data or settings; choose another --out "
-                "or pass overwrite=True"
+                f"{out} holds a model trained with other data or settings; delete {out} to train "
+                "there again, or choose another --out directory (in Python: another out, or "
+                "finetune's overwrite argument replaces it)"
             )
     elif out.exists() and not overwrite:
         raise ConfigError(f"{out} exists and is not a finished training run; remove it first")

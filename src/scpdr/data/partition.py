@@ -354,7 +354,10 @@ def save_partitions(
     (if any) and ``canaries.json`` (if any). Built in a temp dir beside ``out``, then renamed."""
     out = Path(out)
     if out.exists() and not overwrite:
-        raise DataError(f"{out} already exists; choose another directory or pass overwrite")
+        raise DataError(
+            f"{out} already exists; delete it or choose another output directory; in Python, "
+            "save_partitions(..., overwrite=True) replaces it"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
