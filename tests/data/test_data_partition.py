@@ -60,6 +60,10 @@ def test_partitions_disjoint_balanced_and_near_duplicates_together(
         texts.append(_mutate(rng, base[i]) if rng.random() < 0.7 else base[i])
         planted.append((i, len(texts) - 1))
     records = [Record.make(id=f"r{i}", text=t) for i, t in enumerate(texts)]
+    if len(group_near_duplicates(texts)) < k:  # fewer groups than partitions: refused
+        with pytest.raises(DataError, match="would be empty"):
+            partition_records(records, k=k, seed=seed)
+        return
     pset = partition_records(records, k=k, seed=seed)
 
     ids = [r.id for part in pset.parts for r in part]
