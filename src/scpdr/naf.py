@@ -491,8 +491,46 @@ def scp_delta_r(
         m: tokens kept unsmoothed per constituent (1 <= m < V).
 
     Returns ``log r``: ``Tensor[*batch, V]``.
+
+    On CPU without autograd a fused C kernel computes the same thing (``scpdr._kernel``; built
+    on first use, ``SCPDR_NAF_KERNEL=0`` turns it off); elsewhere, the torch implementation.
     """
+    fused = _scp_delta_r_fused(logps, base, m)
+    if fused is not None:
+        return fused
     return _scp_delta_r(logps, base, m, components=False)[0]
+
+
+def _scp_delta_r_fused(
+    logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int
+) -> Tensor | None:
+    """SCP-Δr with the fused CPU kernel (:mod:`scpdr._kernel`), or None where it does not apply
+    (another device, autograd, K or m beyond its limits, or no kernel on this machine)."""
+    from scpdr import _kernel
+
+    x = _check_logps(logps, "scp-delta-r", min_k=2)
+    b = _check_base(base, x, "scp-delta-r")
+    m = _check_m(m, x.shape[-1], "scp-delta-r")
+    if x.device.type != "cpu" or b.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or b.requires_grad):
+        return None
+    if x.shape[0] > _kernel.MAX_K or m > _kernel.MAX_M:
+        return None
+    fn = _kernel.scp_delta_r_kernel()
+    if fn is None:
+        return None
+    k, shape, vocab = x.shape[0], tuple(x.shape[1:]), x.shape[-1]
+    n = math.prod(shape[:-1])
+    xc = x.reshape(k, n, vocab).contiguous()
+    if b.numel() == vocab:  # a constant base ('c' variant)
+        bc, rows = b.reshape(1, vocab).contiguous(), 1
+    else:
+        bc, rows = b.expand(shape).reshape(n, vocab).contiguous(), n
+    out = torch.empty((n, vocab), dtype=torch.float32)
+    if fn(xc.data_ptr(), k, n, vocab, bc.data_ptr(), rows, m, out.data_ptr()) != 0:
+        return None
+    return out.reshape(shape)
 
 
 def _scp_delta_r(

@@ -1,0 +1,126 @@
+"""scpdr._kernel: the fused C kernel of SCP-Δr against the torch implementation (the fast path
+tested against the slow one), its build, cache and fallback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from scpdr import _kernel, naf
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None,
+    reason="no C compiler on PATH: scpdr uses the torch implementation (tested everywhere)",
+)
+
+
+def torch_path(x, base, m):
+    return naf._scp_delta_r(x, base, m, components=False)[0]
+
+
+def gap(x, base, m):
+    """Distance between the m-th and (m+1)-th smoothing scores (min over rows, constituents):
+    below float rounding, two implementations may keep different (equally valid) tokens."""
+    sm = naf._smoothing(naf._check_logps(x, "t", min_k=1), base, m)
+    score = torch.softmax(x.float(), -1).clamp_min(naf._PROB_FLOOR) * sm.d
+    top = score.topk(m + 1, dim=-1).values
+    return float((top[..., m - 1] - top[..., m]).min())
+
+
+def test_the_kernel_builds_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
+    monkeypatch.setattr(_kernel, "_STATE", {})
+    fn = _kernel.scp_delta_r_kernel()
+    assert fn is not None
+    built = list((tmp_path / "kernels").glob("scp_delta_r-*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(_kernel, "_STATE", {})
+    assert _kernel.scp_delta_r_kernel() is not None  # loaded from the cache, not rebuilt
+    assert list((tmp_path / "kernels").glob("scp_delta_r-*.so")) == built
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    k=st.integers(2, 4),
+    rows=st.integers(1, 3),
+    vocab=st.sampled_from([12, 100, 1023, 1025, 4096]),
+    m=st.sampled_from([1, 3, 10]),
+    scale=st.sampled_from([1.0, 4.0, 20.0]),
+    constant_base=st.booleans(),
+)
+def test_kernel_equals_the_torch_implementation(seed, k, rows, vocab, m, scale, constant_base):
+    assume(m < vocab)
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(rows, vocab, generator=g) * scale
+    x = shared + torch.randn(k, rows, vocab, generator=g) * scale / 2
+    base = shared + torch.randn(rows, vocab, generator=g)
+    if constant_base:
+        base = base[0]
+    assume(gap(x, base, m) > 1e-6)
+    fused = naf._scp_delta_r_fused(x, base, m)
+    assert fused is not None
+    want = torch_path(x, base, m)
+    torch.testing.assert_close(fused, want, atol=2e-5, rtol=0)
+    assert torch.allclose(fused.exp().sum(-1), torch.ones(rows), atol=1e-5)
+
+
+def test_kernel_at_the_real_vocabulary_and_batch_shapes():
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randn(2, 3, 49152, generator=g) * 3
+    x = shared + torch.randn(2, 2, 3, 49152, generator=g)
+    base = shared + torch.randn(2, 3, 49152, generator=g)
+    out = naf.aggregate("scp-delta-r", x, base=base, m=10)
+    assert out.shape == (2, 3, 49152)
+    torch.testing.assert_close(out, torch_path(x, base, 10), atol=2e-5, rtol=0)
+
+
+def test_kernel_handles_extremes_and_does_not_touch_its_inputs():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 4096, generator=g)
+    x[0, 0, :10] = 1e4
+    x[1, 0, 5:2000] = -1e4
+    x[0, 1, 100:200] = float("-inf")
+    x[1, 1, 150:4000] = float("-inf")
+    x[:, 2] *= 1e4
+    base = torch.randn(3, 4096, generator=g)
+    base[0, :50] = float("-inf")
+    base[1] = 1e4 * torch.sign(base[1])
+    x0, b0 = x.clone(), base.clone()
+    out = naf._scp_delta_r_fused(x, base, 10)
+    assert out is not None and torch.isfinite(out).all()
+    assert torch.allclose(out.exp().sum(-1), torch.ones(3), atol=1e-5)
+    torch.testing.assert_close(out, torch_path(x, base, 10), atol=1e-4, rtol=0)
+    assert torch.equal(x, x0) and torch.equal(base, b0)
+
+
+def test_kernel_is_skipped_where_it_does_not_apply(monkeypatch):
+    x = torch.randn(2, 1, 300, requires_grad=True)
+    base = torch.randn(1, 300)
+    assert naf._scp_delta_r_fused(x, base, 10) is None  # autograd: the torch path
+    with torch.no_grad():
+        assert naf._scp_delta_r_fused(x, base, 10) is not None
+        assert naf._scp_delta_r_fused(x, base, _kernel.MAX_M + 1) is None
+        big_k = torch.randn(_kernel.MAX_K + 1, 1, 300)
+        assert naf._scp_delta_r_fused(big_k, base, 10) is None
+    monkeypatch.setenv("SCPDR_NAF_KERNEL", "0")
+    with torch.no_grad():
+        assert naf._scp_delta_r_fused(x, base, 10) is None
+        assert torch.equal(naf.scp_delta_r(x, base=base), torch_path(x, base, 10))
+
+
+def test_a_failed_build_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(_kernel, "_STATE", {})
+    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "definitely-not-a-compiler")
+    x, base = torch.randn(2, 2, 200), torch.randn(2, 200)
+    with caplog.at_level(logging.WARNING, logger="scpdr._kernel"):
+        out = naf.aggregate("scp-delta-r", x, base=base, m=5)
+    assert "not available" in caplog.text and "definitely-not-a-compiler" in caplog.text
+    assert torch.equal(out, torch_path(x, base, 5))
