@@ -67,7 +67,7 @@ def test_kernel_equals_the_torch_implementation(seed, k, rows, vocab, m, scale, 
     fused = naf._scp_delta_r_fused(x, base, m)
     assert fused is not None
     want = torch_path(x, base, m)
-    torch.testing.assert_close(fused, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(fused, want, atol=2e-5, rtol=2e-6)
     assert torch.allclose(fused.exp().sum(-1), torch.ones(rows), atol=1e-5)
 
 

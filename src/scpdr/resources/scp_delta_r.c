@@ -31,17 +31,49 @@ static inline float vexpf(float x) {
 }
 
 /* log-sum-exp and mean of the floored log-probs max(x - lse, LOG_FLOOR) of one row. */
-static void row_stats(const float *x, int64_t v, float *mx_out, float *logs_out, float *mean_out) {
+/* z_out (may be NULL): the sum of the floored probabilities max(p, e^LOG_FLOOR) (>= 1). */
+static void row_stats(const float *x, int64_t v, float *mx_out, float *logs_out, float *mean_out,
+                      double *z_out) {
+    /* max and sum of exp(x - max) in one sweep: per L1-sized block, its max, then its sum
+       against the running max (the sum so far rescaled when the max grows) */
     float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-    for (int64_t t = 0; t < v; t++) mx = fmx(mx, x[t]);
     double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t t = 0; t < v; t++) s += (double)vexpf(x[t] - mx);
+    for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
+        const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
+        const float *xb = x + t0;
+        float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+        for (int64_t t = 0; t < len; t++) bm = fmx(bm, xb[t]);
+        if (bm > mx) {
+            s *= exp((double)mx - (double)bm);
+            mx = bm;
+        }
+        float bs = 0.0f; /* float within a block (<= 64 terms a lane), double across blocks */
+#pragma omp simd reduction(+ : bs)
+        for (int64_t t = 0; t < len; t++) bs += vexpf(xb[t] - mx);
+        s += (double)bs;
+    }
     float logs = (float)log(s);
-    double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t t = 0; t < v; t++) acc += (double)fmx((x[t] - mx) - logs, LOG_FLOOR);
+    double acc = 0.0, z = 0.0;
+    for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
+        const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
+        const float *xb = x + t0;
+        float ba = 0.0f, bz = 0.0f;
+        if (z_out) {
+#pragma omp simd reduction(+ : ba, bz)
+            for (int64_t t = 0; t < len; t++) {
+                float y = fmx((xb[t] - mx) - logs, LOG_FLOOR);
+                ba += y;
+                bz += vexpf(y);
+            }
+        } else {
+#pragma omp simd reduction(+ : ba)
+            for (int64_t t = 0; t < len; t++) ba += fmx((xb[t] - mx) - logs, LOG_FLOOR);
+        }
+        acc += (double)ba;
+        z += (double)bz;
+    }
+    if (z_out) *z_out = z;
     *mx_out = mx;
     *logs_out = logs;
     *mean_out = (float)(acc / (double)v);
@@ -55,12 +87,13 @@ int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v, co
     for (int64_t row = 0; row < n; row++) {
         const float *b = base + (base_rows == 1 ? 0 : row * v);
         float mx_b, ls_b, mu_b;
-        row_stats(b, v, &mx_b, &ls_b, &mu_b);
+        double zd;
+        row_stats(b, v, &mx_b, &ls_b, &mu_b, &zd);
         float mx[16], ls[16], mu[16], c[16];
         int64_t idx[16][64];
         for (int64_t i = 0; i < k; i++) {
             const float *xi = x + (i * n + row) * v;
-            row_stats(xi, v, &mx[i], &ls[i], &mu[i]);
+            row_stats(xi, v, &mx[i], &ls[i], &mu[i], NULL);
             const float xm = mx[i], li = ls[i], mi = mu[i];
             /* scores p(y) * d(y) in L1-sized blocks, each scanned for the top m (a descending
                insertion buffer whose last entry is the threshold) */
@@ -69,14 +102,29 @@ int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v, co
             for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
                 const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
                 const float *xb = xi + t0, *bb = b + t0;
-                float sc[BLOCK];
-#pragma omp simd
+                float sc[BLOCK], ds[BLOCK];
+                float ymax = -INFINITY, dmax = -INFINITY;
+#pragma omp simd reduction(max : ymax, dmax)
                 for (int64_t t = 0; t < len; t++) {
                     float y = fmx((xb[t] - xm) - li, LOG_FLOOR);
                     float yb = fmx((bb[t] - mx_b) - ls_b, LOG_FLOOR);
                     float d = (y - mi) - (yb - mu_b);
-                    sc[t] = vexpf(y) * d;
+                    sc[t] = y;
+                    ds[t] = d;
+                    ymax = fmx(ymax, y);
+                    dmax = fmx(dmax, d);
                 }
+                if (fill == m) { /* skip a block none of whose scores p*d can enter the top m */
+                    float bound = dmax > 0.0f ? vexpf(ymax) * dmax * 1.0001f : dmax * 2.0e-9f;
+                    if (!(bound > best[m - 1])) continue;
+                }
+                float smax = -INFINITY;
+#pragma omp simd reduction(max : smax)
+                for (int64_t t = 0; t < len; t++) {
+                    sc[t] = vexpf(sc[t]) * ds[t];
+                    smax = fmx(smax, sc[t]);
+                }
+                if (fill == m && !(smax > best[m - 1])) continue; /* nothing to insert */
                 for (int64_t t = 0; t < len; t++) {
                     float sv = sc[t];
                     if (fill == m && !(sv > best[m - 1])) continue;
@@ -104,13 +152,8 @@ int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v, co
         /* u = yb (floored base log-probs) off the union U of kept tokens; on U,
            u = yb + g with g = min_i((kept_i ? d_i : 0) - c_i) + max_i c_i. */
         float *o = out + row * v;
-        double zd = 0.0;
-#pragma omp simd reduction(+ : zd)
-        for (int64_t t = 0; t < v; t++) {
-            float yb = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR);
-            o[t] = yb;
-            zd += (double)vexpf(yb);
-        }
+        int64_t nu = 0, ut[16 * 64];
+        float ug[16 * 64];
         for (int64_t i = 0; i < k; i++) {
             for (int64_t j = 0; j < m; j++) {
                 int64_t t = idx[i][j];
@@ -134,12 +177,14 @@ int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v, co
                 }
                 g += cmax;
                 zd += exp((double)yb + (double)g) - exp((double)yb);
-                o[t] = yb + g;
+                ut[nu] = t;
+                ug[nu++] = yb + g;
             }
         }
-        float log_z = (float)log(zd);
+        const float log_z = (float)log(zd);
 #pragma omp simd
-        for (int64_t t = 0; t < v; t++) o[t] -= log_z;
+        for (int64_t t = 0; t < v; t++) o[t] = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR) - log_z;
+        for (int64_t j = 0; j < nu; j++) o[ut[j]] = ug[j] - log_z;
     }
     return 0;
 }
