@@ -13,6 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from scpdr import _kernel, naf
+from scpdr.testing import extreme_logits
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None,
@@ -82,16 +83,7 @@ def test_kernel_at_the_real_vocabulary_and_batch_shapes():
 
 
 def test_kernel_handles_extremes_and_does_not_touch_its_inputs():
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 3, 4096, generator=g)
-    x[0, 0, :10] = 1e4
-    x[1, 0, 5:2000] = -1e4
-    x[0, 1, 100:200] = float("-inf")
-    x[1, 1, 150:4000] = float("-inf")
-    x[:, 2] *= 1e4
-    base = torch.randn(3, 4096, generator=g)
-    base[0, :50] = float("-inf")
-    base[1] = 1e4 * torch.sign(base[1])
+    x, base = extreme_logits()
     x0, b0 = x.clone(), base.clone()
     out = naf._scp_delta_r_fused(x, base, 10)
     assert out is not None and torch.isfinite(out).all()

@@ -14,6 +14,7 @@ from scipy.special import logsumexp
 
 from scpdr import naf
 from scpdr.errors import ConfigError, VocabularyMismatchError
+from scpdr.testing import extreme_logits
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALL_METHODS = list(naf.METHODS)
@@ -408,26 +409,12 @@ def test_block_top_m_selects_the_same_set_as_topk(seed, rows, vocab, m, dup):
 # extreme inputs, dtypes, no in-place modification
 
 
-def _extreme_logits() -> torch.Tensor:
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 3, 4096, generator=g)
-    x[0, 0, :10] = 1e4
-    x[1, 0, 5:2000] = -1e4
-    x[0, 1, 100:200] = float("-inf")
-    x[1, 1, 150:4000] = float("-inf")
-    x[:, 2] *= 1e4  # huge spread
-    return x
-
-
 @pytest.mark.parametrize("method", ALL_METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_extreme_inputs_give_finite_normalized_output(method, dtype):
-    x = _extreme_logits()
+    x, base = extreme_logits()
     if dtype == torch.float16:
         x = x.clamp(-6e4, 6e4)
-    base = torch.randn(3, 4096)
-    base[0, :50] = float("-inf")
-    base[1] = 1e4 * torch.sign(base[1])
     out = naf.aggregate(method, x.to(dtype), base=base.to(dtype), m=10)
     assert_logprobs(out, (3, 4096))
 

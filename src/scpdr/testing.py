@@ -18,13 +18,14 @@ import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "HELD_OUT_PROMPTS",
+    "extreme_logits",
     "finetune_on_text",
     "make_tiny_bundle",
     "perturbed_copy",
@@ -32,6 +33,24 @@ __all__ = [
     "tiny_model",
     "tiny_tokenizer",
 ]
+
+
+def extreme_logits(seed: int = 5) -> tuple[Any, Any]:
+    """``(x (2, 3, 4096), base (3, 4096))`` float32 logits at the edges: ±1e4 spikes, -inf
+    (masked) runs, a row scaled by 1e4, a base with -inf entries and a ±1e4 row."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 4096, generator=g)
+    x[0, 0, :10] = 1e4
+    x[1, 0, 5:2000] = -1e4
+    x[0, 1, 100:200] = float("-inf")
+    x[1, 1, 150:4000] = float("-inf")
+    x[:, 2] *= 1e4  # huge spread
+    base = torch.randn(3, 4096, generator=g)
+    base[0, :50] = float("-inf")
+    base[1] = 1e4 * torch.sign(base[1])
+    return x, base
 
 
 def _held_out_prompts(n: int = 100) -> list[str]:
