@@ -449,9 +449,10 @@ def load_bundle_scorers(
 
     specs = {name: resolve_method(name) for name in methods}
     manifest = M.read_bundle(path)
+    # a base the methods need and the bundle lacks fails before any model loads
+    base_vector = bundle_bases(path, manifest, [src for _, src in specs.values()])
     tok = M.load_tokenizer(manifest.resolve(path, manifest.tokenizer))
     cons = [M.load_model(manifest.resolve(path, r), dtype=dtype) for r in manifest.constituents]
-    base_vector = bundle_bases(path, manifest, [src for _, src in specs.values()])
     base_model = None
     if any(src == "model" for _, src in specs.values()):
         base_model = M.load_model(manifest.resolve(path, manifest.base), dtype=dtype)
