@@ -368,30 +368,19 @@ def _engine_error(exc: BaseException) -> APIError:
     return _internal()
 
 
-class _StreamFailed(Exception):
-    """The engine failed a request mid-stream; ``error`` is what the client is told."""
-
-    def __init__(self, error: APIError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 async def _events(stream: Any) -> AsyncIterator[tuple[int, Any]]:
     """The engine's ``(choice index, event)`` pairs; a ``Failed`` event cancels the stream and
-    raises :class:`_StreamFailed`, so every endpoint answers an engine failure alike."""
+    raises its :class:`APIError`, so every endpoint answers an engine failure alike."""
     async for index, event in stream.events():
         if isinstance(event, Failed):
             stream.cancel()
-            raise _StreamFailed(_engine_error(event.error))
+            raise _engine_error(event.error)
         yield index, event
 
 
 async def _collect(stream: Any, choices: list[_Choice]) -> None:
-    try:
-        async for index, event in _events(stream):
-            _apply(choices[index], event)
-    except _StreamFailed as exc:
-        raise exc.error from None
+    async for index, event in _events(stream):
+        _apply(choices[index], event)
 
 
 def _submit(state: ServingState, seqs: list[tuple[list[int], SamplingParams]]) -> Any:
@@ -463,8 +452,8 @@ async def _sse_stream(
                 )
             )
         yield _DONE
-    except _StreamFailed as exc:
-        yield _sse(exc.error.body())
+    except APIError as exc:  # raised by _events only: the stream's helpers raise no APIError
+        yield _sse(exc.body())
         yield _DONE
     except Exception:  # an error after the stream started: SSE error event, then [DONE]
         logger.exception("streamed response %s failed", rid)
