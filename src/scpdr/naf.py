@@ -495,22 +495,21 @@ def scp_delta_r(
     On CPU without autograd a fused C kernel computes the same thing (``scpdr._kernel``; built
     on first use, ``SCPDR_NAF_KERNEL=0`` turns it off); elsewhere, the torch implementation.
     """
-    fused = _scp_delta_r_fused(logps, base, m)
-    if fused is not None:
-        return fused
-    return _scp_delta_r(logps, base, m, components=False)[0]
-
-
-def _scp_delta_r_fused(
-    logps: Tensor | Sequence[Tensor], base: Tensor | None, m: int
-) -> Tensor | None:
-    """SCP-Δr with the fused CPU kernel (:mod:`scpdr._kernel`), or None where it does not apply
-    (another device, autograd, K or m beyond its limits, or no kernel on this machine)."""
-    from scpdr import _kernel
-
-    x = _check_logps(logps, "scp-delta-r", min_k=2)
+    x = _check_logps(logps, "scp-delta-r", min_k=2)  # float32 from here on: no second copy
     b = _check_base(base, x, "scp-delta-r")
     m = _check_m(m, x.shape[-1], "scp-delta-r")
+    fused = _scp_delta_r_fused(x, b, m)
+    if fused is not None:
+        return fused
+    return _scp_delta_r(x, b, m, components=False)[0]
+
+
+def _scp_delta_r_fused(x: Tensor, b: Tensor, m: int) -> Tensor | None:
+    """SCP-Δr with the fused CPU kernel (:mod:`scpdr._kernel`) of validated float32 ``x``
+    ``(K, *batch, V)`` and base ``b``, or None where it does not apply (another device, autograd,
+    K or m beyond its limits, or no kernel on this machine)."""
+    from scpdr import _kernel
+
     if x.device.type != "cpu" or b.device.type != "cpu":
         return None
     if torch.is_grad_enabled() and (x.requires_grad or b.requires_grad):
