@@ -573,8 +573,6 @@ def write_bundle(
         raise ValueError("write_bundle needs at least one constituent ref")
     if method not in _known_methods():
         raise ValueError(f"unknown method {method!r}; known: {sorted(_known_methods())}")
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"m must be an int >= 1 (tokens kept unsmoothed), got {m!r}")
     named: dict[str, Ref] = {}
     if base is not None:
         named["base"] = base
@@ -586,11 +584,9 @@ def write_bundle(
     vh = check_compatible(toks)
     first_tok = next(iter(toks.values()))
     vocab_size = len(first_tok)
-    if m >= vocab_size:
-        raise ValueError(
-            f"m = {m} must be < the vocabulary size {vocab_size} (tokens kept unsmoothed); "
-            "the paper's default is m = 10"
-        )
+    from scpdr import naf
+
+    naf._check_m(m, vocab_size, "write_bundle")  # a ConfigError (ValueError): before any write
     tok_ref = base if base is not None else constituents[0]
     bundle_dir.mkdir(parents=True, exist_ok=True)  # only once the inputs are known to be good
 
