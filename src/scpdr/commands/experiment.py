@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from scpdr.experiment import ExperimentConfig, Stage
 
 
 def experiment(
@@ -35,11 +39,15 @@ def experiment(
     load_config(config)  # validate first: errors name the key
     out_dir = out if out is not None else Path("runs") / config.stem
     check_out_dir(out_dir)
-    if force:
-        _check_force(config, force)
-    if dry_run:
-        _print_plan(config, out_dir, force=force)
-        return
+    if force or dry_run:
+        from scpdr.experiment import planned
+
+        cfg, stages, report = planned(config)  # once, for both
+        if force:
+            _check_force(config, [*stages, report], force)
+        if dry_run:
+            _print_plan(cfg, [*stages, report], out_dir, force=force)
+            return
     run_and_print(config, out_dir, force=force, progress=progress, keep_stale=keep_stale)
 
 
@@ -70,16 +78,14 @@ def run_and_print(
     return result
 
 
-def _check_force(config: Path, force: list[str]) -> None:
+def _check_force(config: Path, stages: Sequence[Stage], force: list[str]) -> None:
     """Every --force pattern must name at least one stage (a typo would silently re-run nothing)."""
     from scpdr.errors import ConfigError
-    from scpdr.experiment import _matches, planned
+    from scpdr.experiment import _matches_stage
 
-    _, stages, report = planned(config)
-    names = sorted({s.name for s in [*stages, report]} | {s.label for s in [*stages, report]})
-    unmatched = [p for p in force if not any(_matches(n, p) for n in names)]
+    unmatched = [p for p in force if not any(_matches_stage(s, p) for s in stages)]
     if unmatched:
-        kinds = sorted({n.split("/")[0] for n in names})
+        kinds = sorted({n.split("/")[0] for s in stages for n in (s.name, s.label)})
         raise ConfigError(
             f"--force {', '.join(repr(p) for p in unmatched)} matches no stage of {config}; "
             f"use a stage name or glob such as {', '.join(kinds)} or 'attack/*' "
@@ -87,17 +93,18 @@ def _check_force(config: Path, force: list[str]) -> None:
         )
 
 
-def _print_plan(config: Path, out: Path, *, force: Sequence[str] = ()) -> None:
+def _print_plan(
+    cfg: ExperimentConfig, stages: Sequence[Stage], out: Path, *, force: Sequence[str] = ()
+) -> None:
     from rich.console import Console
     from rich.markup import escape as rich_escape
 
-    from scpdr.experiment import StageRunner, _matches_stage, planned
+    from scpdr.experiment import StageRunner, _matches_stage
 
-    cfg, stages, report = planned(config)
     runner = StageRunner(out, cfg, progress=False)
     console = Console()
     seen = set()
-    for s in [*stages, report]:
+    for s in stages:
         if s.key in seen:
             continue
         seen.add(s.key)
