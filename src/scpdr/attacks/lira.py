@@ -177,11 +177,11 @@ def _seq_stats(
     cache: dict | None,
 ) -> np.ndarray:
     t = batched_token_logprobs(target, seqs, batch_size=batch_size)
-    # The cache entry keeps the reference object itself: keying on id() alone would hand a
-    # later reference the scores of a freed one that happened to get the same id.
+    # The cache entry keeps the reference object itself alive, so its id() cannot be reused by
+    # a later reference while the entry exists (an id-keyed entry alone would be stale then).
     key = ("lira-reference", id(reference), tuple(map(tuple, seqs)))
     hit = cache.get(key) if cache is not None else None
-    if hit is not None and hit[0] is reference:
+    if hit is not None:
         r = hit[1]
     else:
         r = batched_token_logprobs(reference, seqs, batch_size=batch_size)
