@@ -241,6 +241,28 @@ def _in_chunks(in_features: int) -> int:
     return 1
 
 
+def _source_weight(
+    source: Callable[[str], Tensor | None] | None, name: str, layer: nn.Linear
+) -> Tensor | None:
+    """``layer``'s weight from ``source`` when it will be re-laid out (else None). Checked
+    against the module (shape, dtype kind, first, middle and last rows): anything odd, e.g.
+    weights converted at load time, means None (the module's own weight is used)."""
+    w = layer.weight
+    if source is None or w.device.type != "cpu" or _in_chunks(layer.in_features) == 1:
+        return None
+    try:
+        src = source(name)
+    except Exception as exc:  # a broken checkpoint: the module's weight is correct anyway
+        logger.debug("weight source failed for %s: %s", name, exc)
+        return None
+    if src is None or src.shape != w.shape or not src.dtype.is_floating_point:
+        return None
+    rows = [0, w.shape[0] // 2, w.shape[0] - 1]
+    if not torch.equal(src[rows].to(w.dtype), w.detach()[rows]):
+        return None
+    return src
+
+
 class StackedLoraLinear(nn.Module):
     """An ``nn.Linear`` of the shared base plus the LoRA deltas of L groups.
 
@@ -448,12 +470,14 @@ class StackedLoRA:
         # groups >= L carry no delta (the plain base is last in SCP-Δr-b)
         self.num_lora = 1 + max(i for i, g in enumerate(groups) if g is not None)
         self._mode = _Mode()
-        self._source = weight_source
-        self._wrap(groups)
-        self._source = None
+        self._wrap(groups, weight_source)
         self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
 
-    def _wrap(self, groups: list[LoraAdapter | None]) -> None:
+    def _wrap(
+        self,
+        groups: list[LoraAdapter | None],
+        weight_source: Callable[[str], Tensor | None] | None,
+    ) -> None:
         targets = sorted({name for g in groups if g is not None for name in g.modules})
         named = dict(self.model.named_modules())
         plans: list[tuple[str, nn.Linear, Tensor, Tensor]] = []
@@ -505,27 +529,9 @@ class StackedLoRA:
             if type(layer) is nn.Linear and name not in targets
         ]
         for name, layer, a, b in plans + others:  # only now modify the model
-            wrapped = StackedLoraLinear(layer, a, b, self._mode, source=self._read(name, layer))
+            source = _source_weight(weight_source, name, layer)
+            wrapped = StackedLoraLinear(layer, a, b, self._mode, source=source)
             self.model.set_submodule(name, wrapped)
-
-    def _read(self, name: str, layer: nn.Linear) -> Tensor | None:
-        """``layer``'s weight from the weight source when it will be re-laid out (else None).
-        Checked against the module (shape, dtype kind, first and last rows): anything odd, e.g.
-        weights converted at load time, means None (the module's own weight is used)."""
-        w = layer.weight
-        if self._source is None or w.device.type != "cpu" or _in_chunks(layer.in_features) == 1:
-            return None
-        try:
-            src = self._source(name)
-        except Exception as exc:  # a broken checkpoint: the module's weight is correct anyway
-            logger.debug("weight source failed for %s: %s", name, exc)
-            return None
-        if src is None or src.shape != w.shape or not src.dtype.is_floating_point:
-            return None
-        rows = [0, w.shape[0] // 2, w.shape[0] - 1]
-        if not torch.equal(src[rows].to(w.dtype), w.detach()[rows]):
-            return None
-        return src
 
     @contextlib.contextmanager
     def _single(self, group: int) -> Iterator[None]:
