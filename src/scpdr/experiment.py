@@ -1010,12 +1010,12 @@ def plan(cfg: ExperimentConfig) -> tuple[list[Stage], Stage]:
     main = _plan_point(cfg, base_stage)
     sources: list[tuple[str, Stage, dict[str, Any]]] = [(s.name, s, {}) for s in main]
     stages = list(main)
+    main_keys = {s.key for s in main}
     for i, sweep in enumerate(cfg.sweeps):
         for value in sweep.values:
             point_cfg = _sweep_point(cfg, sweep, value, where=f"sweeps.{i}")
             point = _plan_point(point_cfg, _base_stage(point_cfg))
             tag = {"sweep": sweep.key, "sweep_value": value}
-            main_keys = {m.key for m in main}
             for st in point:
                 if st.key not in main_keys:
                     st.meta.setdefault("label", f"{st.name} [{sweep.key}={value}]")
