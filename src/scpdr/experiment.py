@@ -1482,7 +1482,7 @@ def _run_partitions(ctx: StageContext) -> None:
     atomic_write_json(ctx.dir / "audit.json", audit_dict)
     if not audit.passed:
         if not pcfg.allow_overlap:
-            audit.raise_if_failed()
+            audit.raise_if_failed("`partitions: {allow_overlap: true}` in the config")
         logger.warning("partition audit FAILED; continuing because partitions.allow_overlap is set")
     save_partitions(ctx.dir / "partitions", pset)
     # The targets of LiRA / v_x: partition-0 examples left out of the reference model p0.

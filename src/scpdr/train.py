@@ -681,21 +681,12 @@ def audit_for_bundle(pset: PartitionSet, *, allow_failed_audit: bool = False) ->
     the fix unless ``allow_failed_audit``. Used by :func:`train_bundle` and ``scpdr bundle``.
     """
     from scpdr.data.partition import audit_partitions
-    from scpdr.errors import PartitionAuditError
 
     report = audit_partitions(pset.manifest, pset.records(), canaries=pset.canaries)
     audit = report.to_dict()
     if not report.passed:
         if not allow_failed_audit:
-            failed = ", ".join(  # the non-empty lists: exact/near-duplicate overlaps, errors
-                k.replace("_", " ") for k, v in audit.items() if isinstance(v, list) and v
-            )
-            raise PartitionAuditError(
-                f"{report.summary()}\nFailed checks: {failed}. Re-partition the data "
-                "(`scpdr partition`) so that no record or near-duplicate is shared between "
-                "partitions, or, knowingly, override the audit (`--allow-failed-audit`, "
-                "allow_failed_audit=True in Python); the override is recorded in the bundle."
-            )
+            report.raise_if_failed()
         logger.warning("partition audit FAILED; continuing because it was overridden")
     audit["overridden"] = bool(allow_failed_audit and not report.passed)
     return audit

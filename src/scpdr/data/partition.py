@@ -465,13 +465,21 @@ class AuditReport:
         lines += [f"  {e}" for e in (self.integrity_errors + self.canary_errors)[:20]]
         return "\n".join(lines)
 
-    def raise_if_failed(self) -> None:
-        """Raise :class:`~scpdr.errors.PartitionAuditError` with the summary unless passed."""
-        if not self.passed:
-            raise PartitionAuditError(
-                self.summary() + "\nRe-partition the data (`scpdr partition`) or, knowingly, "
-                "override the audit (it is recorded in the bundle)."
-            )
+    def raise_if_failed(
+        self, override: str = "`--allow-failed-audit`, allow_failed_audit=True in Python"
+    ) -> None:
+        """Raise :class:`~scpdr.errors.PartitionAuditError` unless passed: the summary, the
+        failed checks and the fixes (``override``: how the caller's user overrides the audit)."""
+        if self.passed:
+            return
+        failed = ", ".join(  # the non-empty lists: exact/near-duplicate overlaps, errors
+            k.replace("_", " ") for k, v in self.to_dict().items() if isinstance(v, list) and v
+        )
+        raise PartitionAuditError(
+            f"{self.summary()}\nFailed checks: {failed}. Re-partition the data (`scpdr "
+            "partition`) so that no record or near-duplicate is shared between partitions, or, "
+            f"knowingly, override the audit ({override}); the override is recorded in the bundle."
+        )
 
 
 def audit_partitions(
