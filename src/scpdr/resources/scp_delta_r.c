@@ -2,8 +2,8 @@
    Built and loaded by scpdr/_kernel.py; scpdr.naf.scp_delta_r uses it when it builds, and the
    tests compare it with the torch implementation (scpdr.naf._scp_delta_r). */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #define LOG_FLOOR (-20.0f)
 #define BLOCK 1024
@@ -30,8 +30,8 @@ static inline float vexpf(float x) {
     return p * u.f;
 }
 
-/* log-sum-exp and mean of the floored log-probs max(x - lse, LOG_FLOOR) of one row. */
-/* z_out (may be NULL): the sum of the floored probabilities max(p, e^LOG_FLOOR) (>= 1). */
+/* One row's log-sum-exp as mx + logs, the mean of its floored log-probs max(x - lse, LOG_FLOOR)
+   and (z_out, may be NULL) the sum of its floored probabilities max(p, e^LOG_FLOOR) (>= 1). */
 static void row_stats(const float *x, int64_t v, float *mx_out, float *logs_out, float *mean_out,
                       double *z_out) {
     /* max and sum of exp(x - max) in one sweep: per L1-sized block, its max, then its sum
@@ -84,11 +84,14 @@ static void row_stats(const float *x, int64_t v, float *mx_out, float *logs_out,
 int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v, const float *restrict base,
                     int64_t base_rows, int64_t m, float *restrict out) {
     if (m > 64 || k > 16 || m < 1 || k < 1) return -1;
+    float mx_b0 = 0.0f, ls_b0 = 0.0f, mu_b0 = 0.0f;
+    double zd0 = 0.0;
+    if (base_rows == 1) row_stats(base, v, &mx_b0, &ls_b0, &mu_b0, &zd0); /* once for all rows */
     for (int64_t row = 0; row < n; row++) {
         const float *b = base + (base_rows == 1 ? 0 : row * v);
-        float mx_b, ls_b, mu_b;
-        double zd;
-        row_stats(b, v, &mx_b, &ls_b, &mu_b, &zd);
+        float mx_b = mx_b0, ls_b = ls_b0, mu_b = mu_b0;
+        double zd = zd0;
+        if (base_rows != 1) row_stats(b, v, &mx_b, &ls_b, &mu_b, &zd);
         float mx[16], ls[16], mu[16], c[16];
         int64_t idx[16][64];
         for (int64_t i = 0; i < k; i++) {
