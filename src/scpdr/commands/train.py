@@ -159,19 +159,13 @@ def train(
             tiny_model(seed).save_pretrained(str(tiny_dir))
             tiny_tokenizer().save_pretrained(str(tiny_dir))
         base_ref = str(tiny_dir)
-    try:
-        path = train_bundle(
-            pset,
-            base=base_ref,
-            config=cfg,
-            out=out,
-            allow_failed_audit=allow_failed_audit,
-            method=method,
-            m=m,
-        )
-    except ConfigError as exc:  # the library's fix is an argument the CLI does not have
-        if "overwrite=True" not in str(exc):
-            raise
-        msg = str(exc).replace("or pass overwrite=True", f"or delete {out} to retrain from scratch")
-        raise ConfigError(msg) from None
+    path = train_bundle(
+        pset,
+        base=base_ref,
+        config=cfg,
+        out=out,
+        allow_failed_audit=allow_failed_audit,
+        method=method,
+        m=m,
+    )
     typer.echo(f"wrote bundle {path} with {pset.k} constituents")
