@@ -32,14 +32,6 @@ def _random_text(rng: random.Random, n_words: int = 40) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A tiny base and two tiny constituents (``tiny/base``, ``tiny/constituent-<i>``)."""
-    from scpdr.testing import make_tiny_bundle
-
-    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"), k=2, constant_base=False)
-
-
-@pytest.fixture(scope="module")
 def parts(tmp_path_factory) -> dict[str, Any]:
     """Two partition sets of 20 random texts in K=2 partitions: ``clean`` (as partitioned) and
     ``leaky`` (plus a one-word edit of a partition-0 record planted in partition 1)."""

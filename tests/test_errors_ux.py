@@ -15,13 +15,6 @@ from scpdr.errors import BundleError, ConfigError
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from scpdr.testing import make_tiny_bundle
-
-    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"), k=2, constant_base=False)
-
-
-@pytest.fixture(scope="module")
 def parts_without_canaries(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parts") / "p"
     argv = ["partition", "names2ids", "--out", str(out), "--n-train", "8", "--n-val", "2"]
