@@ -273,8 +273,8 @@ class StackedLoraLinear(nn.Module):
     Buffers: ``lora_a`` ``(L, in, r)`` (= Aᵀ), ``lora_b`` ``(L, r, out)`` (= s·Bᵀ), not persistent;
     both None (L = 0) for a linear no adapter targets (wrapped for the stacked base matmul only).
     On CPU a linear wider than :data:`CHUNK_IN_FEATURES` inputs keeps its weight as ``c`` input
-    chunks ``weight_chunks`` ``(c, out, in/c)`` instead of ``base_layer`` (same memory; see
-    :meth:`_base_forward`).
+    chunks ``weight_chunks`` ``(c, out, in/c)`` instead of ``base_layer`` (same memory, except for a
+    head tied to the input embeddings, which keep the original; see :meth:`_base_forward`).
     """
 
     def __init__(
