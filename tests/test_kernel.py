@@ -116,3 +116,33 @@ def test_a_failed_build_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path
         out = naf.aggregate("scp-delta-r", x, base=base, m=5)
     assert "not available" in caplog.text and "definitely-not-a-compiler" in caplog.text
     assert torch.equal(out, torch_path(x, base, 5))
+
+
+def test_the_packed_gemm_kernel_builds_is_cached_and_falls_back(monkeypatch, tmp_path, caplog):
+    """resources/packed_gemm.c builds into its own cached library; with no compiler the LoRA
+    fast path keeps torch's matmuls after one warning."""
+    from scpdr import lora_fast, testing
+
+    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
+    monkeypatch.setattr(_kernel, "_STATE", {})
+    assert _kernel.packed_gemm_kernel() is not None
+    built = sorted((tmp_path / "kernels").glob("packed_gemm-*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(_kernel, "_STATE", {})
+    assert _kernel.packed_gemm_kernel() is not None  # loaded from the cache, not rebuilt
+    assert sorted((tmp_path / "kernels").glob("packed_gemm-*.so")) == built
+    monkeypatch.setattr(_kernel, "_STATE", {})
+    monkeypatch.setenv("CC", "definitely-not-a-compiler")
+    model = testing.tiny_model(0, num_layers=1)
+    name = "model.layers.0.self_attn.q_proj"
+    q = model.get_submodule(name)
+    adapter = lora_fast.LoraAdapter(
+        tmp_path,
+        "base",
+        {name: (torch.randn(2, q.in_features), torch.randn(q.out_features, 2), 1.0)},
+        {},
+    )
+    with caplog.at_level(logging.WARNING, logger="scpdr._kernel"):
+        stack = lora_fast.StackedLoRA(model, [adapter, None], ["a", "base"])
+    assert "packed CPU matmul kernel is not available" in caplog.text
+    assert stack.model.get_submodule(name).weight_packed is None

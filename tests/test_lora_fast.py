@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scpdr import lora_fast, models, testing
+from scpdr import _kernel, lora_fast, models, testing
 from scpdr.lora_fast import (
     LoraAdapter,
     StackedLoRA,
@@ -29,6 +29,8 @@ from scpdr.lora_fast import (
 )
 from scpdr.protected import ProtectedLM
 
+#: whether the packed C kernel builds here (else the fast path uses torch's matmuls)
+KERNEL = _kernel.packed_gemm_kernel() is not None
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (r, alpha, targets, rslora) of the three adapters: different ranks, different target sets,
 # lm_head on a tied-embedding model, rsLoRA scaling.
@@ -250,6 +252,10 @@ def test_sampling_matches_general_path(lora, stacks):
 # ------------------------------------------------------------------------------ the layer
 
 
+def _wrapped(stack):
+    return [m for m in stack.model.modules() if isinstance(m, lora_fast.StackedLoraLinear)]
+
+
 def _tiny_llama(seed, *, wide):
     # wide: down_proj has 1200 > CHUNK_IN_FEATURES inputs, so it is stored in input chunks
     inter = 1200 if wide else 24
@@ -271,12 +277,13 @@ def _tiny_llama(seed, *, wide):
     batch=st.integers(1, 3),
     tokens=st.sampled_from([1, 5]),
     wide=st.booleans(),
+    use_kernel=st.booleans(),
 )
-def test_stacked_forward_equals_merged_weights(seed, plan, batch, tokens, wide):
+def test_stacked_forward_equals_merged_weights(seed, plan, batch, tokens, wide, use_kernel):
     """Property: for any groups (None = the plain base; else rank and targets), the stacked
     forward and each group's view equal the base with W + s·B·A merged into its weights
-    (zero-padding of smaller ranks and missing targets is exact; few-row and many-row kernels,
-    chunked wide weights)."""
+    (zero-padding of smaller ranks and missing targets is exact), with the packed C kernel and
+    with torch's matmuls (few-row and many-row kernels, chunked wide weights)."""
     import copy
 
     if all(p is None for p in plan):
@@ -303,7 +310,9 @@ def test_stacked_forward_equals_merged_weights(seed, plan, batch, tokens, wide):
                     ref.get_submodule(name).weight += s * b @ a
         groups.append(LoraAdapter(Path(f"g{i}"), "base", mods, {}))
         merged.append(ref)
-    stack = StackedLoRA(model, groups, [f"g{i}" for i in range(len(groups))])
+    stack = StackedLoRA(model, groups, [f"g{i}" for i in range(len(groups))], use_kernel=use_kernel)
+    packed = [m.weight_packed is not None for m in _wrapped(stack)]
+    assert all(packed) if use_kernel and KERNEL else not any(packed)
     ids = torch.randint(3, 97, (batch, tokens), generator=gen)
     mask = torch.ones_like(ids)
     if tokens > 1:
@@ -319,9 +328,13 @@ def test_stacked_forward_equals_merged_weights(seed, plan, batch, tokens, wide):
             torch.testing.assert_close(view, want, atol=1e-4, rtol=1e-4)
 
 
-def test_wide_weights_from_checkpoint_source(tmp_path):
-    """Wide linears are re-laid out from the checkpoint (the model's own copy untouched); a
-    source that disagrees with the loaded weights is ignored."""
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["packed", "torch"])
+def test_wide_weights_from_checkpoint_source(tmp_path, use_kernel):
+    """Re-laid-out weights (all, packed for the C kernel; wide ones, chunked for torch's
+    matmuls) are read from the checkpoint (the model's own copy untouched); a source that
+    disagrees with the loaded weights is ignored."""
+    if use_kernel and not KERNEL:
+        pytest.skip("no C compiler: the packed kernel cannot be built here")
     model = _tiny_llama(3, wide=True)
     model.save_pretrained(str(tmp_path / "m"))
     gen = torch.Generator().manual_seed(0)
@@ -345,8 +358,17 @@ def test_wide_weights_from_checkpoint_source(tmp_path):
     for source in (good, bad):
         base = models.load_model(tmp_path / "m")
         adapter = LoraAdapter(tmp_path / "a", "base", {name: (a, b, 0.5)}, {})
-        stack = StackedLoRA(base, [adapter, None], ["a", "base"], weight_source=source)
-        assert stack.model.get_submodule(name).weight_chunks.shape == (3, 16, 400)
+        stack = StackedLoRA(
+            base, [adapter, None], ["a", "base"], weight_source=source, use_kernel=use_kernel
+        )
+        layer = stack.model.get_submodule(name)
+        if use_kernel:
+            assert layer.weight_packed.shape == (1, 1200, lora_fast.PANEL)
+            assert torch.equal(
+                layer.weight, models.load_model(tmp_path / "m").get_submodule(name).weight
+            )
+        else:
+            assert layer.weight_chunks.shape == (3, 16, 400)
         with torch.inference_mode():
             out = stack(ids, mask, pos)  # (2, B, T, V)
         torch.testing.assert_close(out[1], want, atol=1e-4, rtol=1e-4)
@@ -454,3 +476,105 @@ def test_unsupported_adapter_features_fall_back(lora, caplog, tmp_path, edit, re
     with pytest.raises(UnsupportedAdapterError, match=reason):
         read_lora_adapter(d)
     assert reason in _off_reason(_manifest(lora["root"] / "base", [lora["refs"][0], d]), caplog)
+
+
+# ------------------------------------------------------------------ the packed CPU kernel
+
+
+needs_kernel = pytest.mark.skipif(
+    not KERNEL, reason="no C compiler: the fast path uses torch's matmuls (tested above)"
+)
+
+
+def _packed_layer(gen, n_in, n_out, rank, groups_with_lora, bias):
+    layer = torch.nn.Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n_out, n_in, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(n_out, generator=gen))
+    a = b = None
+    if groups_with_lora:
+        a = torch.randn(groups_with_lora, n_in, rank, generator=gen)
+        b = torch.randn(groups_with_lora, rank, n_out, generator=gen)
+    mode = lora_fast._Mode()
+    return layer, a, b, mode
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n_in=st.sampled_from([1, 7, 64, 200, 1536, 7000]),
+    n_out=st.sampled_from([1, 5, 64, 65, 130, 192]),
+    rank=st.sampled_from([1, 3, 64, 70]),
+    groups=st.integers(1, 4),
+    lora=st.integers(0, 4),
+    rows=st.integers(1, 40),
+    bias=st.booleans(),
+)
+def test_packed_kernel_equals_its_torch_reference(
+    seed, n_in, n_out, rank, groups, lora, rows, bias
+):
+    """Property: the C kernel's stacked linear (base matmul of all rows, then the deltas of the
+    first L groups) equals x·Wᵀ + bias + (x_g·A_gᵀ)·(s_g·B_g)ᵀ computed by torch from the
+    unpacked weights, for shapes off the panel width (n and r not multiples of 64), row counts
+    across the 6-row tiles and the L2 row chunks (7000 inputs: 6-row chunks), in stacked and
+    single-group modes."""
+    gen = torch.Generator().manual_seed(seed)
+    lora = min(lora, groups)
+    layer, a, b, mode = _packed_layer(gen, n_in, n_out, rank, lora, bias)
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    assert lin.weight_packed is not None
+    torch.testing.assert_close(lin.weight, layer.weight, atol=0, rtol=0)  # lossless layout
+    x = torch.randn(groups * rows, n_in, generator=gen)
+    want = layer(x)
+    for g in range(lora):
+        want[g * rows : (g + 1) * rows] += (x[g * rows : (g + 1) * rows] @ a[g]) @ b[g]
+    tol = {"atol": 2e-5 * n_in**0.5 * (1 + rank**0.5), "rtol": 1e-4}
+    with torch.inference_mode():
+        mode.stacked = groups
+        torch.testing.assert_close(lin(x), want, **tol)
+        mode.stacked, mode.single = None, 0 if lora else None
+        single = layer(x[:rows]) + ((x[:rows] @ a[0]) @ b[0] if lora else 0)
+        torch.testing.assert_close(
+            lin(x[:rows].view(1, rows, n_in)), single.view(1, rows, -1), **tol
+        )
+
+
+@needs_kernel
+def test_packed_layer_keeps_autograd_through_the_torch_reference():
+    """With a graph to build, the packed layer runs its torch reference: gradients reach x."""
+    gen = torch.Generator().manual_seed(0)
+    layer, a, b, mode = _packed_layer(gen, 10, 70, 3, 2, True)
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    mode.stacked = 2
+    x = torch.randn(4, 10, generator=gen, requires_grad=True)
+    y = lin(x)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    want = layer.weight.sum(0) + torch.zeros(4, 10)
+    want[:2] += (a[0] @ b[0]).sum(1)
+    want[2:] += (a[1] @ b[1]).sum(1)
+    torch.testing.assert_close(x.grad, want.detach(), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), y.detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_switch_keeps_torch_matmuls(monkeypatch):
+    """SCPDR_GEMM_KERNEL=0 (or a float16 model, or no compiler) leaves the layers on torch's
+    matmuls; the pack/unpack layout itself round-trips exactly."""
+    monkeypatch.setenv("SCPDR_GEMM_KERNEL", "0")
+    model = _tiny_llama(1, wide=False)
+    adapter = LoraAdapter(
+        Path("a"),
+        "base",
+        {"model.layers.0.self_attn.q_proj": (torch.randn(2, 16), torch.randn(16, 2), 1.0)},
+        {},
+    )
+    stack = StackedLoRA(model, [adapter, None], ["a", "base"])
+    assert not any(m.weight_packed is not None for m in _wrapped(stack))
+    w = torch.randn(130, 9)
+    packed = lora_fast.pack_panels(w)
+    assert packed.shape == (3, 9, lora_fast.PANEL)
+    assert torch.equal(lora_fast.unpack_panels(packed, 130), w)
+    assert not packed[2, :, 2:].any()  # columns past n are zeros

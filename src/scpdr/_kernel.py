@@ -1,18 +1,23 @@
-"""The fused CPU kernel of SCP-Δr (``resources/scp_delta_r.c``), built once with the system C
-compiler and loaded with :mod:`ctypes`.
+"""CPU kernels written in C (``resources/*.c``), built once with the system C compiler and loaded
+with :mod:`ctypes`:
 
-Why: on CPU the torch implementation of SCP-Δr (:func:`scpdr.naf._scp_delta_r`) makes ~65 small
-ATen calls and writes ~9 MB of intermediates at batch 8, so right after a decode step it costs
-1.5–3% of the step (``docs/performance.md``). The kernel does one row at a time in a few
-vectorized passes over data that stays in the L2 cache and writes only the output: ~0.5% (B = 1)
-and ~1.7% (B = 8) of a decode step of the embedded model.
+- ``scp_delta_r.c``: the fused SCP-Δr rule. On CPU the torch implementation
+  (:func:`scpdr.naf._scp_delta_r`) makes ~65 small ATen calls and writes ~9 MB of intermediates
+  at batch 8, so right after a decode step it costs 1.5–3% of the step
+  (``docs/performance.md``). The kernel does one row at a time in a few vectorized passes over
+  data that stays in the L2 cache and writes only the output: ~0.5% (B = 1) and ~1.7% (B = 8) of
+  a decode step of the embedded model. Switch: ``SCPDR_NAF_KERNEL=0``.
+- ``packed_gemm.c``: float32 matmuls of a few rows on a packed weight layout, for the shared-base
+  LoRA fast path (:mod:`scpdr.lora_fast`, ``docs/lora_fast_path.md``): 2.2x (1 row) to 2x (24
+  rows) faster than torch's sgemm on the embedded model's weights. Switch:
+  ``SCPDR_GEMM_KERNEL=0``.
 
-Built on first use with ``$CC`` (default ``cc``) ``-O3 -march=native`` into
+Each is built on first use with ``$CC`` (default ``cc``) ``-O3 -march=native`` into
 ``$SCPDR_HOME/kernels/`` under a name that hashes the source, the flags and the CPU's flags (a
 cache shared between machines never loads a library built for another CPU), written atomically.
-When there is no compiler, the build fails, or ``SCPDR_NAF_KERNEL=0``, :func:`scp_delta_r_kernel`
-returns None (logged once) and :mod:`scpdr.naf` uses the torch implementation; the two agree to
-~1e-5 (tested).
+When there is no compiler, the build fails, or the switch is ``0``, the loader returns None
+(logged once) and the caller uses its torch implementation; the two agree to float rounding
+(tested).
 """
 
 from __future__ import annotations
@@ -26,25 +31,41 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_K", "MAX_M", "kernel_disabled", "scp_delta_r_kernel"]
+__all__ = [
+    "MAX_K",
+    "MAX_M",
+    "gemm_disabled",
+    "kernel_disabled",
+    "packed_gemm_kernel",
+    "scp_delta_r_kernel",
+]
 
 #: Limits of the kernel (larger K or m use the torch implementation).
 MAX_K = 16
 MAX_M = 64
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math")
-_SOURCE = "scp_delta_r.c"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
 
+def _switched_off(var: str) -> bool:
+    return os.environ.get(var, "1").strip().lower() in {"0", "false", "no", "off"}
+
+
 def kernel_disabled() -> bool:
-    """``SCPDR_NAF_KERNEL=0`` (or ``false``/``no``/``off``) turns the kernel off."""
-    return os.environ.get("SCPDR_NAF_KERNEL", "1").strip().lower() in {"0", "false", "no", "off"}
+    """``SCPDR_NAF_KERNEL=0`` (or ``false``/``no``/``off``) turns the SCP-Δr kernel off."""
+    return _switched_off("SCPDR_NAF_KERNEL")
+
+
+def gemm_disabled() -> bool:
+    """``SCPDR_GEMM_KERNEL=0`` (or ``false``/``no``/``off``) turns the packed GEMM kernel off."""
+    return _switched_off("SCPDR_GEMM_KERNEL")
 
 
 def _cache_dir() -> Path:
@@ -64,16 +85,16 @@ def _cpu_signature() -> str:
     return f"{platform.machine()}|{platform.system()}|{flags}"
 
 
-def _build(source: bytes, compiler: str) -> Path:
+def _build(name: str, source: bytes, compiler: str) -> Path:
     key = hashlib.sha256(source + repr((_FLAGS, compiler, _cpu_signature())).encode()).hexdigest()[
         :16
     ]
-    target = _cache_dir() / "kernels" / f"scp_delta_r-{key}.so"
+    target = _cache_dir() / "kernels" / f"{name}-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / _SOURCE
+        src = Path(tmp) / f"{name}.c"
         src.write_bytes(source)
         out = Path(tmp) / target.name
         cmd = [compiler, *_FLAGS, "-shared", "-fPIC", "-o", str(out), str(src), "-lm"]
@@ -84,39 +105,74 @@ def _build(source: bytes, compiler: str) -> Path:
     return target
 
 
+def _library(
+    name: str, what: str, fallback: str, configure: Callable[[ctypes.CDLL], None]
+) -> ctypes.CDLL | None:
+    """``resources/<name>.c`` built, loaded and ``configure``-d (argument types; once per
+    process), or None with a warning (once) naming ``what`` failed and the ``fallback`` used
+    instead."""
+    with _LOCK:
+        if name in _STATE:
+            return _STATE[name]  # type: ignore[return-value]
+        lib = None
+        try:
+            compiler = os.environ.get("CC") or "cc"
+            if shutil.which(compiler) is None:
+                raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC)")
+            source = resources.files("scpdr").joinpath("resources", f"{name}.c").read_bytes()
+            lib = ctypes.CDLL(str(_build(name, source, compiler)))
+            configure(lib)
+        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
+            logger.warning("%s is not available (%s); using %s", what, exc, fallback)
+            lib = None
+        _STATE[name] = lib
+        return lib
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _configure_scp_delta_r(lib: ctypes.CDLL) -> None:
+    fn = lib.scp_delta_r_f32
+    fn.restype = ctypes.c_int
+    # x (K, N, V), K, N, V, base (base_rows, V), base_rows (1: a constant base, or N), m,
+    # out (N, V); float32, contiguous
+    fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR]
+
+
+def _configure_packed_gemm(lib: ctypes.CDLL) -> None:
+    gemm = lib.scpdr_gemm_packed_f32
+    # m, n, k, x, ldx, packed w, y, ldy, accumulate
+    gemm.argtypes = [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int]
+    gemm.restype = None
+    lora = lib.scpdr_lora_linear_f32
+    # g, rows, n, k, x, packed w, l, r, packed a, packed b, tmp, y
+    lora.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
+    lora.restype = None
+
+
 def scp_delta_r_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C function ``scp_delta_r_f32(x, K, N, V, base, base_rows, m, out) -> int``, or None
     when it is disabled or cannot be built here (the reason is logged once)."""
     if kernel_disabled():
         return None
-    with _LOCK:
-        if "fn" in _STATE:
-            return _STATE["fn"]  # type: ignore[return-value]
-        fn = None
-        try:
-            compiler = os.environ.get("CC") or "cc"
-            if shutil.which(compiler) is None:
-                raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC)")
-            source = resources.files("scpdr").joinpath("resources", _SOURCE).read_bytes()
-            lib = ctypes.CDLL(str(_build(source, compiler)))
-            fn = lib.scp_delta_r_f32
-            fn.restype = ctypes.c_int
-            fn.argtypes = [
-                ctypes.c_void_p,  # x (K, N, V) float32, contiguous
-                ctypes.c_int64,  # K
-                ctypes.c_int64,  # N
-                ctypes.c_int64,  # V
-                ctypes.c_void_p,  # base (base_rows, V) float32, contiguous
-                ctypes.c_int64,  # base_rows: 1 (a constant base) or N
-                ctypes.c_int64,  # m
-                ctypes.c_void_p,  # out (N, V) float32
-            ]
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            logger.warning(
-                "SCP-Δr: the fused CPU kernel is not available (%s); using the torch "
-                "implementation (slower, same results)",
-                exc,
-            )
-            fn = None
-        _STATE["fn"] = fn
-        return fn
+    lib = _library(
+        "scp_delta_r",
+        "SCP-Δr: the fused CPU kernel",
+        "the torch implementation (slower, same results)",
+        _configure_scp_delta_r,
+    )
+    return None if lib is None else lib.scp_delta_r_f32
+
+
+def packed_gemm_kernel() -> ctypes.CDLL | None:
+    """The library of ``packed_gemm.c`` (``scpdr_gemm_packed_f32``, ``scpdr_lora_linear_f32``),
+    or None when it is disabled or cannot be built here (the reason is logged once)."""
+    if gemm_disabled():
+        return None
+    return _library(
+        "packed_gemm",
+        "LoRA fast path: the packed CPU matmul kernel",
+        "torch matmuls (slower, same results)",
+        _configure_packed_gemm,
+    )

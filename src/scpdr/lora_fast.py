@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from scpdr import _kernel
+
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel
 
@@ -241,14 +243,21 @@ def _in_chunks(in_features: int) -> int:
     return 1
 
 
+def _packable(w: Tensor) -> bool:
+    """Whether the packed CPU kernel can run a linear with weight ``w`` (float32 on CPU)."""
+    return w.device.type == "cpu" and w.dtype == torch.float32
+
+
 def _source_weight(
-    source: Callable[[str], Tensor | None] | None, name: str, layer: nn.Linear
+    source: Callable[[str], Tensor | None] | None, name: str, layer: nn.Linear, *, packed: bool
 ) -> Tensor | None:
-    """``layer``'s weight from ``source`` when it will be re-laid out (else None). Checked
-    against the module (shape, dtype kind, first, middle and last rows): anything odd, e.g.
-    weights converted at load time, means None (the module's own weight is used)."""
+    """``layer``'s weight from ``source`` when it will be re-laid out (``packed``, or a wide
+    linear chunked on CPU; else None). Checked against the module (shape, dtype kind, first,
+    middle and last rows): anything odd, e.g. weights converted at load time, means None (the
+    module's own weight is used)."""
     w = layer.weight
-    if source is None or w.device.type != "cpu" or _in_chunks(layer.in_features) == 1:
+    relaid = packed or _in_chunks(layer.in_features) > 1
+    if source is None or w.device.type != "cpu" or not relaid:
         return None
     try:
         src = source(name)
@@ -261,6 +270,31 @@ def _source_weight(
     if not torch.equal(src[rows].to(w.dtype), w.detach()[rows]):
         return None
     return src
+
+
+#: Output columns per panel of the packed weight layout (``NR`` in ``resources/packed_gemm.c``).
+PANEL = 64
+
+
+def pack_panels(w: Tensor) -> Tensor:
+    """``W (n, k)`` of ``y = x·Wᵀ`` laid out for the packed CPU kernel: float32 panels
+    ``(ceil(n / PANEL), k, PANEL)``, panel p holding ``W[p·PANEL : (p + 1)·PANEL]ᵀ`` (columns past
+    n are zero, which adds exact zeros). Written without an intermediate padded copy."""
+    n, k = w.shape
+    full, rest = divmod(n, PANEL)
+    out = torch.zeros(full + (rest > 0), k, PANEL, dtype=torch.float32)
+    w = w.detach()
+    if full:
+        out[:full].copy_(w[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
+    if rest:
+        out[full, :, :rest].copy_(w[full * PANEL :].t())
+    return out
+
+
+def unpack_panels(packed: Tensor, n: int) -> Tensor:
+    """The inverse of :func:`pack_panels`: ``W (n, k)`` (a copy)."""
+    p, k, width = packed.shape
+    return packed.transpose(1, 2).reshape(p * width, k)[:n]
 
 
 class StackedLoraLinear(nn.Module):
@@ -285,11 +319,35 @@ class StackedLoraLinear(nn.Module):
         mode: _Mode,
         *,
         source: Tensor | None = None,
+        kernel: Any | None = None,
     ) -> None:
         super().__init__()
         self._in, self._out = base_layer.in_features, base_layer.out_features
         w = base_layer.weight
+        self._kernel = kernel if _packable(w) else None
+        self.rank = 0 if a is None else int(a.shape[-1])
+        self.num_lora = 0 if a is None else int(a.shape[0])
+        self._mode = mode
         c = _in_chunks(self._in) if w.device.type == "cpu" else 1
+        if self._kernel is not None:  # panels for resources/packed_gemm.c, built once
+            # ``source``: the same weight read from the checkpoint, so that the model's own
+            # (memory-mapped) copy is never paged in
+            self.base_layer = None
+            self.register_buffer("weight_chunks", None, persistent=False)
+            self.register_buffer(
+                "weight_packed", pack_panels(w if source is None else source), persistent=False
+            )
+            bias = None if base_layer.bias is None else base_layer.bias.detach()
+            self.register_buffer("bias", bias, persistent=False)
+            # A_g (r, in) and s_g·B_g (out, r) as panels; a (L, in, r) holds A_gᵀ, b (L, r, out)
+            pa = None if a is None else torch.stack([pack_panels(t.t()) for t in a])
+            pb = None if b is None else torch.stack([pack_panels(t.t()) for t in b])
+            self.register_buffer("lora_a_packed", pa, persistent=False)
+            self.register_buffer("lora_b_packed", pb, persistent=False)
+            self.register_buffer("lora_a", None, persistent=False)
+            self.register_buffer("lora_b", None, persistent=False)
+            return
+        self.register_buffer("weight_packed", None, persistent=False)
         if c > 1:  # (c, out, in/c) chunks; the original weight is dropped with base_layer
             # ``source``: the same weight read from the checkpoint, so that the model's own
             # (memory-mapped) copy is never paged in
@@ -304,8 +362,6 @@ class StackedLoraLinear(nn.Module):
             self.register_buffer("weight_chunks", None, persistent=False)
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
-        self.num_lora = 0 if a is None else int(a.shape[0])
-        self._mode = mode
 
     @property
     def weight(self) -> Tensor:
@@ -313,6 +369,8 @@ class StackedLoraLinear(nn.Module):
         copy for a chunked weight)."""
         if self.base_layer is not None:
             return self.base_layer.weight
+        if self.weight_packed is not None:
+            return unpack_panels(self.weight_packed, self._out)
         return self.weight_chunks.permute(1, 0, 2).reshape(self._out, self._in)
 
     @property
@@ -352,7 +410,59 @@ class StackedLoraLinear(nn.Module):
             y = y + bias
         return y.contiguous().view(*x.shape[:-1], self._out)
 
+    def _groups(self) -> tuple[int, int, int]:
+        """``(G, first, L)``: the input holds G groups of rows; groups ``first .. first + L - 1``
+        of the adapters apply to the first L of them."""
+        mode, n = self._mode, self.num_lora
+        if mode.stacked is not None:
+            return mode.stacked, 0, min(n, mode.stacked)
+        if mode.single is not None and mode.single < n:
+            return 1, mode.single, 1
+        return 1, 0, 0
+
+    def _packed_forward(self, x: Tensor) -> Tensor:
+        """:meth:`forward` on the packed layout: one call of ``scpdr_lora_linear_f32`` for the
+        base matmul of all rows and the deltas of the groups with adapters; the torch reference
+        :meth:`_packed_reference` when autograd needs a graph."""
+        k, n = self._in, self._out
+        rows = x.numel() // k
+        g, first, lora = self._groups()
+        if torch.is_grad_enabled() and x.requires_grad:
+            y = self._packed_reference(x.reshape(rows, k), g, first, lora)
+        else:
+            x2 = x.reshape(rows, k).contiguous()
+            y = torch.empty(rows, n, dtype=torch.float32)
+            per = rows // g
+            a_ptr = b_ptr = tmp_ptr = None
+            if lora:
+                tmp = torch.empty(per, self.lora_a_packed.shape[1] * PANEL, dtype=torch.float32)
+                a_ptr = self.lora_a_packed[first].data_ptr()
+                b_ptr = self.lora_b_packed[first].data_ptr()
+                tmp_ptr = tmp.data_ptr()
+            self._kernel.scpdr_lora_linear_f32(
+                g, per, n, k, x2.data_ptr(), self.weight_packed.data_ptr(), lora, self.rank,
+                a_ptr, b_ptr, tmp_ptr, y.data_ptr(),
+            )  # fmt: skip
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], n)
+
+    def _packed_reference(self, x2: Tensor, g: int, first: int, lora: int) -> Tensor:
+        """The packed forward in torch ops (differentiable; the slow reference of the tests)."""
+        y = x2 @ unpack_panels(self.weight_packed, self._out).t()
+        if not lora:
+            return y
+        ys = list(y.view(g, -1, self._out).unbind(0))
+        xs = x2.view(g, -1, self._in)
+        for j in range(lora):
+            a = unpack_panels(self.lora_a_packed[first + j], self.rank)  # (r, in) = A
+            b = unpack_panels(self.lora_b_packed[first + j], self._out)  # (out, r) = s·B
+            ys[j] = ys[j] + (xs[j] @ a.t()) @ b.t()
+        return torch.cat(ys, 0)
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.weight_packed is not None:
+            return self._packed_forward(x)
         y = self._base_forward(x)  # (N, ..., out), a fresh tensor
         mode, n = self._mode, self.num_lora
         if n == 0:
@@ -369,8 +479,8 @@ class StackedLoraLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        rank = 0 if self.lora_a is None else self.lora_a.shape[-1]
-        return f"groups_with_lora={self.num_lora}, rank={rank}"
+        kernel = "packed" if self.weight_packed is not None else "torch"
+        return f"groups_with_lora={self.num_lora}, rank={self.rank}, kernel={kernel}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -449,6 +559,9 @@ class StackedLoRA:
             from the checkpoint (see :func:`checkpoint_weight_source`): weights that are
             re-laid out (wide linears on CPU) are copied from there, so that the model's own
             memory-mapped copy is never paged in (peak memory as one model).
+        use_kernel: run float32 CPU linears with the packed C kernel
+            (:func:`scpdr._kernel.packed_gemm_kernel`) when it builds here; False (or
+            ``SCPDR_GEMM_KERNEL=0``) keeps torch's matmuls (same results up to rounding).
     """
 
     def __init__(
@@ -458,6 +571,7 @@ class StackedLoRA:
         names: Sequence[str],
         *,
         weight_source: Callable[[str], Tensor | None] | None = None,
+        use_kernel: bool = True,
     ) -> None:
         groups = list(groups)
         if len(groups) != len(names):
@@ -470,13 +584,14 @@ class StackedLoRA:
         # groups >= L carry no delta (the plain base is last in SCP-Δr-b)
         self.num_lora = 1 + max(i for i, g in enumerate(groups) if g is not None)
         self._mode = _Mode()
-        self._wrap(groups, weight_source)
+        self._wrap(groups, weight_source, use_kernel)
         self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
 
     def _wrap(
         self,
         groups: list[LoraAdapter | None],
         weight_source: Callable[[str], Tensor | None] | None,
+        use_kernel: bool,
     ) -> None:
         targets = sorted({name for g in groups if g is not None for name in g.modules})
         named = dict(self.model.named_modules())
@@ -528,9 +643,11 @@ class StackedLoRA:
             for name, layer in named.items()
             if type(layer) is nn.Linear and name not in targets
         ]
+        kernel = _kernel.packed_gemm_kernel() if use_kernel else None
         for name, layer, a, b in plans + others:  # only now modify the model
-            source = _source_weight(weight_source, name, layer)
-            wrapped = StackedLoraLinear(layer, a, b, self._mode, source=source)
+            packed = kernel is not None and _packable(layer.weight)
+            source = _source_weight(weight_source, name, layer, packed=packed)
+            wrapped = StackedLoraLinear(layer, a, b, self._mode, source=source, kernel=kernel)
             self.model.set_submodule(name, wrapped)
 
     @contextlib.contextmanager

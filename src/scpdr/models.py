@@ -421,11 +421,19 @@ def check_compatible(tokenizers: Mapping[str, PreTrainedTokenizerBase]) -> str:
     return ref_hash
 
 
+def output_size(model: PreTrainedModel) -> int:
+    """How many logits ``model`` outputs per position (its output layer's ``out_features``,
+    without materializing a re-laid-out weight such as :mod:`scpdr.lora_fast`'s packed head)."""
+    head = model.get_output_embeddings()
+    n = getattr(head, "out_features", None)
+    return int(n) if n is not None else int(head.weight.shape[0])
+
+
 def check_model_vocab(models: Mapping[str, PreTrainedModel], *, vocab_size: int) -> None:
     """Every model's output layer must have ``vocab_size`` logits (raises VocabularyMismatchError
     naming the model)."""
     for name, model in models.items():
-        n = model.get_output_embeddings().weight.shape[0]
+        n = output_size(model)
         if n != vocab_size:
             raise VocabularyMismatchError(
                 f"model {name!r} has {n} output logits but the tokenizer has {vocab_size} tokens; "

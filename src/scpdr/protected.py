@@ -253,7 +253,7 @@ class ProtectedLM:
         names: Sequence[str] | None = None,
         score_chunk_elements: int = SCORE_CHUNK_ELEMENTS,
     ) -> None:
-        from scpdr.models import check_model_vocab
+        from scpdr.models import check_model_vocab, output_size
 
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
@@ -277,7 +277,7 @@ class ProtectedLM:
         self.num_constituents = k
         self.score_chunk_elements = int(score_chunk_elements)
         names = list(names) if names is not None else [f"constituent {i}" for i in range(k)]
-        self.vocab_size = int(constituents[0].get_output_embeddings().weight.shape[0])
+        self.vocab_size = output_size(constituents[0])
         self.device = next(constituents[0].parameters()).device
         if m >= self.vocab_size:
             raise ValueError(f"m must be < V = {self.vocab_size} (tokens kept unsmoothed), got {m}")
