@@ -11,7 +11,12 @@ stacked batch. Measured round-robin in one run (the CPU is shared):
   reported too); the general path (three separate models) is timed alongside for reference;
 - the ceiling of any shared-base path (``stacked_rows_ceiling``): the same single model's step
   time at B rows divided by its step time at 3·B rows (base + 2 constituents stacked, with no
-  adapter deltas and no aggregation) — what stacking alone costs on this machine;
+  adapter deltas and no aggregation) — what stacking alone costs on this machine with torch's
+  matmuls;
+- ``same_kernel_ratios``: the fast path against one model decoding through the *same* packed C
+  kernels (the stack's base group, a plain greedy loop): what the shared-base batching costs
+  once both sides use the faster matmuls (the main ratios compare with the unprotected model as
+  users run it, HF ``generate`` with torch's matmuls);
 - peak resident memory (``ru_maxrss``) of a process that loads the fast-path protected model and
   decodes, divided by that of a process that loads one model and decodes (fresh subprocesses).
 
@@ -75,6 +80,30 @@ def build_bundle(root: Path, base, *, rank: int, alpha: float, k: int = 2) -> Pa
         for i in range(k)
     ]
     return models.write_bundle(root / "bundle", base=base_dir, constituents=refs)
+
+
+def greedy_decode(model, enc, n: int) -> None:
+    """``n`` greedy tokens from ``model`` (a causal LM forward, e.g. a stack's group view) with a
+    KV cache: the leanest decode loop (no logits processors), for the same-kernel baseline."""
+    import torch
+    from transformers import DynamicCache
+
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        for _ in range(n):
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], 1)
+            pos = pos[:, -1:] + 1
 
 
 def child(kind: str, bundle: str, n_new: int) -> int:
@@ -176,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     fast = ProtectedLM.from_bundle(bundle)
     if fast._stacked is None:
         raise RuntimeError("the LoRA fast path did not engage on the benchmark bundle")
+    # one model through the same packed kernels as the fast path: the base group of the stack
+    packed = any(
+        getattr(mod, "weight_packed", None) is not None for mod in fast._stacked.model.modules()
+    )
+    packed_view = fast._stacked.views[-1] if packed else None
     lms = {"scp-delta-r-b": fast}
     if not args.no_general:
         merged = [models.load_model(root / f"adapter-{i}") for i in range(2)]
@@ -186,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ms: dict[str, float] = {}
     end_to_end: dict[str, float] = {}
     ceilings: dict[str, float] = {}
+    same_kernels: dict[str, float] = {}
     for b in [] if args.only == "memory" else args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
         enc = tok(prompts, return_tensors="pt", padding=True)
@@ -207,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
             fns[f"hf-generate/{n}"] = hf
             fns[f"hf-stacked-rows/{n}"] = partial(hf, enc_stacked, n)
+            if packed_view is not None:
+                fns[f"single-packed/{n}"] = partial(greedy_decode, packed_view, enc, n)
             for name, lm in lms.items():
                 if name == "general" and args.quick and b > 1:
                     continue
@@ -227,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if name == "hf-stacked-rows":
                 ceilings[f"scp-delta-r-b@B{b}"] = round(step["hf-generate"] / sec, 3)
+                continue
+            if name == "single-packed":
+                same_kernels[f"scp-delta-r-b@B{b}"] = round(sec / step["scp-delta-r-b"], 3)
                 continue
             if name == "scp-delta-r-b":
                 ratios[f"{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
@@ -259,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         ms_per_step=ms,
         end_to_end_ratios=end_to_end,
         stacked_rows_ceiling=ceilings,
+        same_kernel_ratios=same_kernels,
         peak_rss_mib={k: round(v / 1024, 1) for k, v in mem.items()},
         vmhwm_mib={k: round(v / 1024, 1) for k, v in hwm.items()},
         rank=args.rank,

@@ -578,3 +578,28 @@ def test_kernel_switch_keeps_torch_matmuls(monkeypatch):
     assert packed.shape == (3, 9, lora_fast.PANEL)
     assert torch.equal(lora_fast.unpack_panels(packed, 130), w)
     assert not packed[2, :, 2:].any()  # columns past n are zeros
+
+
+@needs_kernel
+def test_tied_embeddings_are_read_from_the_packed_head():
+    """On a tied model (SmolLM2) the input embeddings become lookups into the packed head (one
+    vocab x hidden copy, not two) and give the original rows; the adapters handed over with
+    release_adapters=True are emptied."""
+    model = _tiny_llama(2, wide=False)
+    emb = model.get_input_embeddings().weight.detach().clone()
+    name = "model.layers.0.self_attn.v_proj"
+    layer = model.get_submodule(name)
+    adapter = LoraAdapter(
+        Path("a"),
+        "base",
+        {name: (torch.randn(3, layer.in_features), torch.randn(layer.out_features, 3), 0.5)},
+        {},
+    )
+    stack = StackedLoRA(model, [adapter, None], ["a", "base"], release_adapters=True)
+    packed_emb = stack.model.get_input_embeddings()
+    assert isinstance(packed_emb, lora_fast.PackedEmbedding)
+    assert packed_emb._head is stack.model.get_output_embeddings()
+    ids = torch.tensor([[0, 1, 63, 64, 65, 96], [5, 5, 0, 95, 96, 2]])
+    assert torch.equal(packed_emb(ids), emb[ids])
+    assert torch.equal(packed_emb.weight, emb)
+    assert adapter.modules == {}  # released into the stack

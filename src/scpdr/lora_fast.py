@@ -243,6 +243,11 @@ def _in_chunks(in_features: int) -> int:
     return 1
 
 
+def _packs(kernel: Any | None, layer: nn.Linear) -> bool:
+    """Whether ``layer`` runs on the packed kernel (loaded, and a float32 CPU weight)."""
+    return kernel is not None and _packable(layer.weight)
+
+
 def _packable(w: Tensor) -> bool:
     """Whether the packed CPU kernel can run a linear with weight ``w`` (float32 on CPU)."""
     return w.device.type == "cpu" and w.dtype == torch.float32
@@ -276,13 +281,15 @@ def _source_weight(
 PANEL = 64
 
 
-def pack_panels(w: Tensor) -> Tensor:
+def pack_panels(w: Tensor, *, out: Tensor | None = None) -> Tensor:
     """``W (n, k)`` of ``y = x·Wᵀ`` laid out for the packed CPU kernel: float32 panels
     ``(ceil(n / PANEL), k, PANEL)``, panel p holding ``W[p·PANEL : (p + 1)·PANEL]ᵀ`` (columns past
-    n are zero, which adds exact zeros). Written without an intermediate padded copy."""
+    n are zero, which adds exact zeros). Written without an intermediate padded copy, into
+    ``out`` when given (zero-filled, at least that many panels; the panels past n are left)."""
     n, k = w.shape
     full, rest = divmod(n, PANEL)
-    out = torch.zeros(full + (rest > 0), k, PANEL, dtype=torch.float32)
+    if out is None:
+        out = torch.zeros(full + (rest > 0), k, PANEL, dtype=torch.float32)
     w = w.detach()
     if full:
         out[:full].copy_(w[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
@@ -295,6 +302,31 @@ def unpack_panels(packed: Tensor, n: int) -> Tensor:
     """The inverse of :func:`pack_panels`: ``W (n, k)`` (a copy)."""
     p, k, width = packed.shape
     return packed.transpose(1, 2).reshape(p * width, k)[:n]
+
+
+class PackedEmbedding(nn.Module):
+    """Input embeddings looked up in the packed output head they were tied to (SmolLM2 ties
+    them): row v of ``W`` is column ``v % PANEL`` of panel ``v // PANEL``. Replaces a tied
+    ``nn.Embedding`` in the fast path so that the model's original matrix, a second
+    vocab x hidden copy, is never paged in."""
+
+    def __init__(self, head: StackedLoraLinear, like: nn.Embedding) -> None:
+        super().__init__()
+        object.__setattr__(self, "_head", head)  # not a submodule: registered once, as the head
+        self.num_embeddings, self.embedding_dim = like.num_embeddings, like.embedding_dim
+        self.padding_idx = like.padding_idx
+
+    @property
+    def weight(self) -> Tensor:
+        """The embedding matrix ``(vocab, hidden)`` (a copy)."""
+        return self._head.weight
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        packed = self._head.weight_packed
+        return packed[input_ids // PANEL, :, input_ids % PANEL]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, packed (tied to the output head)"
 
 
 class StackedLoraLinear(nn.Module):
@@ -320,12 +352,15 @@ class StackedLoraLinear(nn.Module):
         *,
         source: Tensor | None = None,
         kernel: Any | None = None,
+        lora_packed: bool = False,
     ) -> None:
         super().__init__()
         self._in, self._out = base_layer.in_features, base_layer.out_features
         w = base_layer.weight
         self._kernel = kernel if _packable(w) else None
-        self.rank = 0 if a is None else int(a.shape[-1])
+        if lora_packed and self._kernel is None:
+            raise ValueError("packed LoRA matrices need the packed kernel and a float32 CPU layer")
+        self.rank = 0 if b is None else int(b.shape[-2])  # b: (L, r, out) or (L, ., r, PANEL)
         self.num_lora = 0 if a is None else int(a.shape[0])
         self._mode = mode
         c = _in_chunks(self._in) if w.device.type == "cpu" else 1
@@ -340,8 +375,10 @@ class StackedLoraLinear(nn.Module):
             bias = None if base_layer.bias is None else base_layer.bias.detach()
             self.register_buffer("bias", bias, persistent=False)
             # A_g (r, in) and s_g·B_g (out, r) as panels; a (L, in, r) holds A_gᵀ, b (L, r, out)
-            pa = None if a is None else torch.stack([pack_panels(t.t()) for t in a])
-            pb = None if b is None else torch.stack([pack_panels(t.t()) for t in b])
+            pa, pb = a, b
+            if a is not None and not lora_packed:
+                pa = torch.stack([pack_panels(t.t()) for t in a])
+                pb = torch.stack([pack_panels(t.t()) for t in b])
             self.register_buffer("lora_a_packed", pa, persistent=False)
             self.register_buffer("lora_b_packed", pb, persistent=False)
             self.register_buffer("lora_a", None, persistent=False)
@@ -562,6 +599,10 @@ class StackedLoRA:
         use_kernel: run float32 CPU linears with the packed C kernel
             (:func:`scpdr._kernel.packed_gemm_kernel`) when it builds here; False (or
             ``SCPDR_GEMM_KERNEL=0``) keeps torch's matmuls (same results up to rounding).
+        release_adapters: empty the adapters' ``LoraAdapter.modules`` once their matrices are
+            copied into the stack, before the base weights are re-laid out (peak memory then
+            holds one copy of the adapters instead of two). :func:`stacked_from_bundle` does, for
+            the adapters it read.
     """
 
     def __init__(
@@ -572,6 +613,7 @@ class StackedLoRA:
         *,
         weight_source: Callable[[str], Tensor | None] | None = None,
         use_kernel: bool = True,
+        release_adapters: bool = False,
     ) -> None:
         groups = list(groups)
         if len(groups) != len(names):
@@ -584,6 +626,7 @@ class StackedLoRA:
         # groups >= L carry no delta (the plain base is last in SCP-Δr-b)
         self.num_lora = 1 + max(i for i, g in enumerate(groups) if g is not None)
         self._mode = _Mode()
+        self._release = release_adapters
         self._wrap(groups, weight_source, use_kernel)
         self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
 
@@ -595,8 +638,8 @@ class StackedLoRA:
     ) -> None:
         targets = sorted({name for g in groups if g is not None for name in g.modules})
         named = dict(self.model.named_modules())
-        plans: list[tuple[str, nn.Linear, Tensor, Tensor]] = []
-        for name in targets:
+        plans: list[tuple[str, nn.Linear, int]] = []  # (name, layer, rank); 0: no adapter
+        for name in targets:  # checked before anything is modified
             layer = named.get(name)
             if layer is None:
                 raise UnsupportedAdapterError(f"the base model has no module {name!r}")
@@ -604,26 +647,16 @@ class StackedLoRA:
                 raise UnsupportedAdapterError(
                     f"adapted module {name!r} is a {type(layer).__name__}, not an nn.Linear"
                 )
-            ranks = [
-                g.modules[name][0].shape[0] for g in groups if g is not None and name in g.modules
-            ]
-            r = max(ranks)
-            w = layer.weight
-            a = torch.zeros(self.num_lora, layer.in_features, r, dtype=torch.float32)
-            b = torch.zeros(self.num_lora, r, layer.out_features, dtype=torch.float32)
-            for i, g in enumerate(groups[: self.num_lora]):
-                if g is None or name not in g.modules:
-                    continue
-                ma, mb, scale = g.modules[name]
-                if ma.shape[1] != layer.in_features or mb.shape[0] != layer.out_features:
-                    raise UnsupportedAdapterError(
-                        f"{g.path}: {name} has A {tuple(ma.shape)}, B {tuple(mb.shape)}, but the "
-                        f"base layer is {layer.out_features}x{layer.in_features}"
-                    )
-                k = ma.shape[0]  # ranks below r are zero-padded (exact)
-                a[i, :, :k] = ma.float().t()
-                b[i, :k, :] = (mb.float() * scale).t()
-            plans.append((name, layer, a.to(w.device, w.dtype), b.to(w.device, w.dtype)))
+            for g in groups:
+                if g is not None and name in g.modules:
+                    a_shape, b_shape = (tuple(t.shape) for t in g.modules[name][:2])
+                    if a_shape[1] != layer.in_features or b_shape[0] != layer.out_features:
+                        raise UnsupportedAdapterError(
+                            f"{g.path}: {name} has A {a_shape}, B {b_shape}, but the base layer "
+                            f"is {layer.out_features}x{layer.in_features}"
+                        )
+            rank = max(g.modules[name][0].shape[0] for g in groups if g and name in g.modules)
+            plans.append((name, layer, rank))
         for g in groups:
             if g is None:
                 continue
@@ -639,16 +672,75 @@ class StackedLoRA:
                         f"{g.path} stores its own {name} weights (a resized or trained vocabulary)"
                     )
         others = [  # the other linears (lm_head...): wrapped for the stacked base matmul only
-            (name, layer, None, None)
+            (name, layer, 0)
             for name, layer in named.items()
             if type(layer) is nn.Linear and name not in targets
         ]
         kernel = _kernel.packed_gemm_kernel() if use_kernel else None
-        for name, layer, a, b in plans + others:  # only now modify the model
-            packed = kernel is not None and _packable(layer.weight)
-            source = _source_weight(weight_source, name, layer, packed=packed)
-            wrapped = StackedLoraLinear(layer, a, b, self._mode, source=source, kernel=kernel)
+        emb = self.model.get_input_embeddings()
+        emb_weight = getattr(emb, "weight", None)
+        emb_name = next((n for n, mod in named.items() if mod is emb), None)
+        tied_head: StackedLoraLinear | None = None
+        # only now modify the model; the largest weights first, so that the transient copy read
+        # from the checkpoint (the head: vocab x hidden) comes before the packed weights pile up
+        # The adapters' matrices first, then (release_adapters) the adapters' own tensors go:
+        # they share one memory map per file, freed only with the last of them.
+        matrices = {
+            name: self._lora_matrices(groups, name, layer, rank, _packs(kernel, layer))
+            for name, layer, rank in plans
+        }
+        if self._release:
+            for g in groups:
+                if g is not None:
+                    g.modules.clear()
+        order = [n for n, _, _ in sorted(plans + others, key=lambda p: -p[1].weight.numel())]
+        del named, plans, others  # each original layer is freed as soon as it is replaced
+        for name in order:
+            layer = self.model.get_submodule(name)
+            packed = _packs(kernel, layer)
+            # a head tied to the input embeddings is read from the checkpoint under their name
+            tied = emb_weight is not None and layer.weight is emb_weight
+            source = _source_weight(
+                weight_source, emb_name if tied and emb_name else name, layer, packed=packed
+            )
+            a, b = matrices.pop(name, (None, None))
+            wrapped = StackedLoraLinear(
+                layer, a, b, self._mode, source=source, kernel=kernel, lora_packed=packed
+            )
             self.model.set_submodule(name, wrapped)
+            if tied and wrapped.weight_packed is not None:
+                tied_head = wrapped
+        if tied_head is not None and type(emb) is nn.Embedding and emb.max_norm is None:
+            # look the embeddings up in the packed head: the original is never paged in
+            self.model.set_input_embeddings(PackedEmbedding(tied_head, emb))
+
+    def _lora_matrices(
+        self, groups: list[LoraAdapter | None], name: str, layer: nn.Linear, rank: int, packed: bool
+    ) -> tuple[Tensor, Tensor]:
+        """The deltas of module ``name`` for the first L groups, ranks below ``rank`` and groups
+        without it zero-padded (exact): ``Aᵀ (L, in, r)`` and ``s·Bᵀ (L, r, out)``, or with
+        ``packed`` the panels of ``A`` ``(L, ceil(r / PANEL), in, PANEL)`` and of ``s·B``
+        ``(L, ceil(out / PANEL), r, PANEL)`` written directly (no intermediate copy)."""
+        n_in, n_out, lora = layer.in_features, layer.out_features, self.num_lora
+        if packed:
+            a = torch.zeros(lora, -(-rank // PANEL), n_in, PANEL, dtype=torch.float32)
+            b = torch.zeros(lora, -(-n_out // PANEL), rank, PANEL, dtype=torch.float32)
+        else:
+            a = torch.zeros(lora, n_in, rank, dtype=torch.float32)
+            b = torch.zeros(lora, rank, n_out, dtype=torch.float32)
+        for i, g in enumerate(groups[:lora]):
+            if g is None or name not in g.modules:
+                continue
+            ma, mb, scale = g.modules[name]
+            k = ma.shape[0]
+            if packed:
+                pack_panels(ma.float(), out=a[i])
+                pack_panels(mb.float() * scale, out=b[i, :, :k])
+            else:
+                a[i, :, :k] = ma.float().t()
+                b[i, :k, :] = (mb.float() * scale).t()
+        w = layer.weight
+        return (a, b) if packed else (a.to(w.device, w.dtype), b.to(w.device, w.dtype))
 
     @contextlib.contextmanager
     def _single(self, group: int) -> Iterator[None]:
@@ -841,7 +933,7 @@ def stacked_from_bundle(
         model = model.to(device)
     source = checkpoint_weight_source(common) if Path(common).is_dir() else None
     try:
-        stack = StackedLoRA(model, adapters, names, weight_source=source)
+        stack = StackedLoRA(model, adapters, names, weight_source=source, release_adapters=True)
     except UnsupportedAdapterError as exc:
         off(str(exc))
         return None
