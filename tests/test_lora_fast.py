@@ -603,3 +603,27 @@ def test_tied_embeddings_are_read_from_the_packed_head():
     assert torch.equal(packed_emb(ids), emb[ids])
     assert torch.equal(packed_emb.weight, emb)
     assert adapter.modules == {}  # released into the stack
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 24, 200])
+def test_packed_kernel_gives_the_same_bits_on_any_thread_count(rows):
+    """The panels split over torch's threads; each output is still summed by one thread in the
+    same order, so 1 and 2 threads agree bit for bit (and with the torch reference)."""
+    gen = torch.Generator().manual_seed(rows)
+    layer, a, b, mode = _packed_layer(gen, 576, 1000, 64, 3, False)
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    mode.stacked = 3
+    x = torch.randn(3 * rows, 576, generator=gen)
+    n = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                outs.append(lin(x))
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(outs[0], outs[1])
+    want = lin._packed_reference(x, 3, 0, 3)
+    torch.testing.assert_close(outs[0], want, atol=2e-3, rtol=1e-4)

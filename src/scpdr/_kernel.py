@@ -9,8 +9,9 @@ with :mod:`ctypes`:
   a decode step of the embedded model. Switch: ``SCPDR_NAF_KERNEL=0``.
 - ``packed_gemm.c``: float32 matmuls of a few rows on a packed weight layout, for the shared-base
   LoRA fast path (:mod:`scpdr.lora_fast`, ``docs/lora_fast_path.md``): 2.2x (1 row) to 2x (24
-  rows) faster than torch's sgemm on the embedded model's weights. Switch:
-  ``SCPDR_GEMM_KERNEL=0``.
+  rows) faster than torch's sgemm on the embedded model's weights, one thread. Built with
+  ``-fopenmp`` where available, on torch's own OpenMP runtime (its ``libgomp.so.1``), so it
+  splits the work over ``torch.get_num_threads()`` threads. Switch: ``SCPDR_GEMM_KERNEL=0``.
 
 Each is built on first use with ``$CC`` (default ``cc``) ``-O3 -march=native`` into
 ``$SCPDR_HOME/kernels/`` under a name that hashes the source, the flags and the CPU's flags (a
@@ -85,8 +86,9 @@ def _cpu_signature() -> str:
     return f"{platform.machine()}|{platform.system()}|{flags}"
 
 
-def _build(name: str, source: bytes, compiler: str) -> Path:
-    key = hashlib.sha256(source + repr((_FLAGS, compiler, _cpu_signature())).encode()).hexdigest()[
+def _build(name: str, source: bytes, compiler: str, extra: tuple[str, ...] = ()) -> Path:
+    flags = (*_FLAGS, *extra)
+    key = hashlib.sha256(source + repr((flags, compiler, _cpu_signature())).encode()).hexdigest()[
         :16
     ]
     target = _cache_dir() / "kernels" / f"{name}-{key}.so"
@@ -97,7 +99,7 @@ def _build(name: str, source: bytes, compiler: str) -> Path:
         src = Path(tmp) / f"{name}.c"
         src.write_bytes(source)
         out = Path(tmp) / target.name
-        cmd = [compiler, *_FLAGS, "-shared", "-fPIC", "-o", str(out), str(src), "-lm"]
+        cmd = [compiler, *flags, "-shared", "-fPIC", "-o", str(out), str(src), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0 or not out.is_file():
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[:500]}")
@@ -105,12 +107,31 @@ def _build(name: str, source: bytes, compiler: str) -> Path:
     return target
 
 
+def _load(name: str, source: bytes, compiler: str, openmp: bool) -> ctypes.CDLL:
+    """Build (cached) and load; with ``openmp``, first with ``-fopenmp`` (the library then needs
+    ``libgomp.so.1``: torch is imported first so that this resolves to the runtime torch already
+    loaded, one thread pool for both), else or when that fails, without (single-threaded)."""
+    if openmp:
+        import torch  # noqa: F401  (loads torch's libgomp.so.1 before ours asks for it)
+
+        try:
+            return ctypes.CDLL(str(_build(name, source, compiler, ("-fopenmp",))))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            logger.info("%s: no OpenMP build (%s); building it single-threaded", name, exc)
+    return ctypes.CDLL(str(_build(name, source, compiler)))
+
+
 def _library(
-    name: str, what: str, fallback: str, configure: Callable[[ctypes.CDLL], None]
+    name: str,
+    what: str,
+    fallback: str,
+    configure: Callable[[ctypes.CDLL], None],
+    *,
+    openmp: bool = False,
 ) -> ctypes.CDLL | None:
     """``resources/<name>.c`` built, loaded and ``configure``-d (argument types; once per
     process), or None with a warning (once) naming ``what`` failed and the ``fallback`` used
-    instead."""
+    instead. ``openmp``: see :func:`_load`."""
     with _LOCK:
         if name in _STATE:
             return _STATE[name]  # type: ignore[return-value]
@@ -120,7 +141,7 @@ def _library(
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC)")
             source = resources.files("scpdr").joinpath("resources", f"{name}.c").read_bytes()
-            lib = ctypes.CDLL(str(_build(name, source, compiler)))
+            lib = _load(name, source, compiler, openmp)
             configure(lib)
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
             logger.warning("%s is not available (%s); using %s", what, exc, fallback)
@@ -142,12 +163,12 @@ def _configure_scp_delta_r(lib: ctypes.CDLL) -> None:
 
 def _configure_packed_gemm(lib: ctypes.CDLL) -> None:
     gemm = lib.scpdr_gemm_packed_f32
-    # m, n, k, x, ldx, packed w, y, ldy, accumulate
-    gemm.argtypes = [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int]
+    # m, n, k, x, ldx, packed w, y, ldy, accumulate, threads
+    gemm.argtypes = [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int, _I64]
     gemm.restype = None
     lora = lib.scpdr_lora_linear_f32
-    # g, rows, n, k, x, packed w, l, r, packed a, packed b, tmp, y
-    lora.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
+    # g, rows, n, k, x, packed w, l, r, packed a, packed b, tmp, y, threads
+    lora.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64]
     lora.restype = None
 
 
@@ -175,4 +196,5 @@ def packed_gemm_kernel() -> ctypes.CDLL | None:
         "LoRA fast path: the packed CPU matmul kernel",
         "torch matmuls (slower, same results)",
         _configure_packed_gemm,
+        openmp=True,
     )

@@ -11,8 +11,13 @@ forward of the base over a stacked batch of G·B rows (row ``g·B + b`` is row b
   carry adapters (the plain-base group, last in SCP-Δr-b, has no delta and costs nothing); its
   input ``(G·B, T, in)`` is viewed as ``(G, B·T, in)`` and the deltas of all groups come from two
   batched matmuls ``bmm(x, A)`` then ``baddbmm(y, ·, B)``, no per-adapter Python loop;
-- the shared base matmul of a few stacked rows uses CPU kernels that cost about one row's weight
-  traffic (see :meth:`StackedLoraLinear._base_forward` and ``docs/lora_fast_path.md``);
+- on CPU in float32 every linear (base matmul of all stacked rows plus the groups' deltas) is
+  one call of a C kernel on weights re-laid out once in panels (``resources/packed_gemm.c``,
+  :func:`pack_panels`): it streams the weights once for up to 6 rows and runs 24 rows near the
+  core's peak, 2x faster than torch's sgemm here; a tied input embedding is then looked up in
+  the packed head (:class:`PackedEmbedding`). Without a C compiler, or with
+  ``SCPDR_GEMM_KERNEL=0``, torch's matmuls are used (:meth:`StackedLoraLinear._base_forward`;
+  ``docs/lora_fast_path.md``);
 - different ranks are zero-padded to the largest (exact: padded rows/columns add 0); modules that
   only some adapters target get zero matrices for the others;
 - one KV cache (:func:`new_stacked_cache`) holds the stacked batch; dropping finished rows selects
@@ -59,17 +64,21 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CHUNK_IN_FEATURES",
     "ENV_SWITCH",
+    "PANEL",
     "TRANSPOSED_MAX_ROWS",
     "LoraAdapter",
     "LoraGroupView",
+    "PackedEmbedding",
     "StackedLoRA",
     "StackedLoraLinear",
     "UnsupportedAdapterError",
     "checkpoint_weight_source",
     "new_stacked_cache",
+    "pack_panels",
     "read_lora_adapter",
     "save_random_lora",
     "stacked_from_bundle",
+    "unpack_panels",
 ]
 
 #: Environment variable: set to "0" to turn the fast path off (the general path is then used).
@@ -336,11 +345,17 @@ class StackedLoraLinear(nn.Module):
     rows, then for the first L groups ``y_g += (x_g·A_gᵀ)·(s_g·B_g)ᵀ`` with two batched matmuls.
     Single mode (group g): ``y + (x·A_gᵀ)·(s_g·B_g)ᵀ``. Groups ``>= L`` have no delta.
 
-    Buffers: ``lora_a`` ``(L, in, r)`` (= Aᵀ), ``lora_b`` ``(L, r, out)`` (= s·Bᵀ), not persistent;
-    both None (L = 0) for a linear no adapter targets (wrapped for the stacked base matmul only).
-    On CPU a linear wider than :data:`CHUNK_IN_FEATURES` inputs keeps its weight as ``c`` input
-    chunks ``weight_chunks`` ``(c, out, in/c)`` instead of ``base_layer`` (same memory, except for a
-    head tied to the input embeddings, which keep the original; see :meth:`_base_forward`).
+    With ``kernel`` (the library of :func:`scpdr._kernel.packed_gemm_kernel`) and a float32 CPU
+    weight, everything runs in the C kernel on panels (:func:`pack_panels`): buffers
+    ``weight_packed`` ``(ceil(out/64), in, 64)``, ``lora_a_packed`` ``(L, ceil(r/64), in, 64)``
+    (A) and ``lora_b_packed`` ``(L, ceil(out/64), r, 64)`` (s·B), given already packed with
+    ``lora_packed=True``; ``base_layer`` is dropped. Otherwise (torch's matmuls): ``lora_a``
+    ``(L, in, r)`` (= Aᵀ), ``lora_b`` ``(L, r, out)`` (= s·Bᵀ), and on CPU a linear wider than
+    :data:`CHUNK_IN_FEATURES` inputs keeps its weight as ``c`` input chunks ``weight_chunks``
+    ``(c, out, in/c)`` instead of ``base_layer`` (see :meth:`_base_forward`). The LoRA buffers
+    are None (L = 0) for a linear no adapter targets (wrapped for the stacked base matmul only).
+    None of the buffers is persistent. ``source``: the weight read from the checkpoint, used for
+    the re-laid-out copy so that the model's own (memory-mapped) one is never paged in.
     """
 
     def __init__(
@@ -472,13 +487,14 @@ class StackedLoraLinear(nn.Module):
             per = rows // g
             a_ptr = b_ptr = tmp_ptr = None
             if lora:
-                tmp = torch.empty(per, self.lora_a_packed.shape[1] * PANEL, dtype=torch.float32)
+                width = self.lora_a_packed.shape[1] * PANEL
+                tmp = torch.empty(lora, per, width, dtype=torch.float32)
                 a_ptr = self.lora_a_packed[first].data_ptr()
                 b_ptr = self.lora_b_packed[first].data_ptr()
                 tmp_ptr = tmp.data_ptr()
             self._kernel.scpdr_lora_linear_f32(
                 g, per, n, k, x2.data_ptr(), self.weight_packed.data_ptr(), lora, self.rank,
-                a_ptr, b_ptr, tmp_ptr, y.data_ptr(),
+                a_ptr, b_ptr, tmp_ptr, y.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
         if self.bias is not None:
             y += self.bias

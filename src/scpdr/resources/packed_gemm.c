@@ -12,10 +12,17 @@
    are re-read from L3.
 
    Written with GCC vector extensions (64-byte vectors), so -march=native picks the ISA: one
-   AVX-512 register per vector, two AVX2 ones, etc. Results equal torch's up to the order of the
-   float additions (tested against a torch reference on the same layout). */
+   AVX-512 register per vector, two AVX2 ones, etc. Built with -fopenmp where the compiler has
+   it: the library then needs libgomp.so.1, which resolves to the copy torch already loaded, so
+   the panels are split over torch's own thread pool (torch.get_num_threads() threads, passed
+   in). Results equal torch's up to the order of the float additions (tested against a torch
+   reference on the same layout), the same for any thread count (each output is computed by one
+   thread in the same order). */
 #include <stddef.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define NR 64
 #define MR 6
@@ -70,16 +77,16 @@ static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const 
     }
 }
 
-/* y (m, n; row stride ldy) = x (m, k; row stride ldx) · Wᵀ, or += with accumulate != 0, where
-   w is W (n, k) packed as (ceil(n / NR), k, NR). */
-void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                           const float *w, float *y, int64_t ldy, int accumulate) {
-    const int64_t panels = (n + NR - 1) / NR;
+/* Panels [p0, p1) of y (m, n; row stride ldy) = x (m, k; row stride ldx) · Wᵀ, or += with
+   accumulate != 0, where w is W (n, k) packed as (ceil(n / NR), k, NR). */
+static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                        const float *w, float *y, int64_t ldy, int accumulate, int64_t p0,
+                        int64_t p1) {
     int64_t chunk = X_CHUNK_BYTES / (k * (int64_t)sizeof(float)) / MR * MR;
     if (chunk < MR) chunk = MR;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
-        for (int64_t p = 0; p < panels; p++) {
+        for (int64_t p = p0; p < p1; p++) {
             const float *panel = w + p * k * NR;
             const int64_t nvalid = n - p * NR < NR ? n - p * NR : NR;
             for (int64_t i = 0; i < mc; i += MR) {
@@ -91,19 +98,64 @@ void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int6
     }
 }
 
+/* This thread's share [*p0, *p1) of `panels` panels (all of them outside a parallel region). */
+static void share(int64_t panels, int64_t *p0, int64_t *p1) {
+#ifdef _OPENMP
+    const int64_t t = omp_get_num_threads(), i = omp_get_thread_num();
+    *p0 = panels * i / t;
+    *p1 = panels * (i + 1) / t;
+#else
+    *p0 = 0;
+    *p1 = panels;
+#endif
+}
+
+/* Whether a matmul is worth a parallel region (fork/join costs a few microseconds). */
+static int parallel_worth(int64_t threads, int64_t m, int64_t n, int64_t k) {
+    return threads > 1 && n >= 2 * NR && m * n * k >= ((int64_t)1 << 18);
+}
+
+/* y (m, n; row stride ldy) = x (m, k; row stride ldx) · Wᵀ, or += with accumulate != 0, where
+   w is W (n, k) packed as (ceil(n / NR), k, NR); the panels split over `threads` threads (the
+   OpenMP runtime torch uses, when built with it). */
+void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                           const float *w, float *y, int64_t ldy, int accumulate,
+                           int64_t threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+#pragma omp parallel num_threads((int)threads) if (parallel_worth(threads, m, n, k))
+    {
+        int64_t p0, p1;
+        share(panels, &p0, &p1);
+        gemm_panels(m, n, k, x, ldx, w, y, ldy, accumulate, p0, p1);
+    }
+}
+
 /* The stacked LoRA linear of scpdr.lora_fast.StackedLoraLinear: x holds g groups of `rows` rows
    (g·rows, k); y (g·rows, n) = x·Wᵀ, then for the first l groups y_i += (x_i·A_iᵀ)·(s_i·B_i)ᵀ,
    with a = A_iᵀ of rank r packed as (l, ceil(r / NR), k, NR) and b = s_i·B_i packed as
-   (l, ceil(n / NR), r, NR); tmp has room for rows x ceil(r / NR)·NR floats. */
+   (l, ceil(n / NR), r, NR); tmp has room for l x rows x ceil(r / NR)·NR floats. One parallel
+   region: the base panels and the l products x_i·A_iᵀ, a barrier, then the panels of the
+   deltas added to y. */
 void scpdr_lora_linear_f32(int64_t g, int64_t rows, int64_t n, int64_t k, const float *x,
                            const float *w, int64_t l, int64_t r, const float *a, const float *b,
-                           float *tmp, float *y) {
-    scpdr_gemm_packed_f32(g * rows, n, k, x, k, w, y, n, 0);
+                           float *tmp, float *y, int64_t threads) {
     const int64_t rp = (r + NR - 1) / NR * NR;
     const int64_t np = (n + NR - 1) / NR * NR;
-    for (int64_t i = 0; i < l && i < g; i++) {
-        const float *xi = x + i * rows * k;
-        scpdr_gemm_packed_f32(rows, rp, k, xi, k, a + i * rp * k, tmp, rp, 0);
-        scpdr_gemm_packed_f32(rows, n, r, tmp, rp, b + i * np * r, y + i * rows * n, n, 1);
+    const int64_t panels = np / NR;
+    if (l > g) l = g;
+#pragma omp parallel num_threads((int)threads) if (parallel_worth(threads, g * rows, n, k))
+    {
+        int64_t p0, p1;
+        share(panels, &p0, &p1);
+        gemm_panels(g * rows, n, k, x, k, w, y, n, 0, p0, p1);
+        int64_t i0, i1;
+        share(l, &i0, &i1);
+        for (int64_t i = i0; i < i1; i++)
+            gemm_panels(rows, rp, k, x + i * rows * k, k, a + i * rp * k, tmp + i * rows * rp, rp,
+                        0, 0, rp / NR);
+#pragma omp barrier
+        for (int64_t i = 0; i < l; i++)
+            gemm_panels(rows, n, r, tmp + i * rows * rp, rp, b + i * np * r, y + i * rows * n, n,
+                        1, p0, p1);
     }
 }
