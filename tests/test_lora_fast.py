@@ -627,3 +627,19 @@ def test_packed_kernel_gives_the_same_bits_on_any_thread_count(rows):
     assert torch.equal(outs[0], outs[1])
     want = lin._packed_reference(x, 3, 0, 3)
     torch.testing.assert_close(outs[0], want, atol=2e-3, rtol=1e-4)
+
+
+@needs_kernel
+def test_packed_layer_takes_other_dtypes_through_the_reference():
+    """A bfloat16 input (autocast) never reaches the float32 kernel: the torch reference runs
+    and the output keeps the input's dtype."""
+    gen = torch.Generator().manual_seed(1)
+    layer, a, b, mode = _packed_layer(gen, 32, 70, 4, 1, False)
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    mode.single = 0
+    x = torch.randn(5, 32, generator=gen)
+    with torch.inference_mode():
+        want = lin(x)
+        got = lin(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.5, rtol=0.05)

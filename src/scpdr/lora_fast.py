@@ -475,12 +475,21 @@ class StackedLoraLinear(nn.Module):
     def _packed_forward(self, x: Tensor) -> Tensor:
         """:meth:`forward` on the packed layout: one call of ``scpdr_lora_linear_f32`` for the
         base matmul of all rows and the deltas of the groups with adapters; the torch reference
-        :meth:`_packed_reference` when autograd needs a graph."""
+        :meth:`_packed_reference` when autograd needs a graph or the input is not float32 on
+        CPU (e.g. autocast, or a model moved to another device after packing)."""
         k, n = self._in, self._out
         rows = x.numel() // k
         g, first, lora = self._groups()
-        if torch.is_grad_enabled() and x.requires_grad:
-            y = self._packed_reference(x.reshape(rows, k), g, first, lora)
+        w = self.weight_packed
+        if (
+            (torch.is_grad_enabled() and x.requires_grad)
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or w.device.type != "cpu"
+            or w.dtype != torch.float32
+        ):
+            x2 = x.reshape(rows, k).to(w.dtype)
+            y = self._packed_reference(x2.to(w.device), g, first, lora).to(x.device, x.dtype)
         else:
             x2 = x.reshape(rows, k).contiguous()
             y = torch.empty(rows, n, dtype=torch.float32)
