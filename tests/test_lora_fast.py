@@ -643,3 +643,36 @@ def test_packed_layer_takes_other_dtypes_through_the_reference():
         got = lin(x.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.5, rtol=0.05)
+
+
+@needs_kernel
+def test_packed_layer_edge_cases():
+    """Rank 0 (an empty delta) gives the base output; a row count that does not split into the
+    stacked groups is refused; a packed layer can be deep-copied (no ctypes handle on it);
+    the packed embeddings refuse ids outside the vocabulary like nn.Embedding."""
+    import copy
+
+    gen = torch.Generator().manual_seed(3)
+    layer, a, b, mode = _packed_layer(gen, 8, 70, 0, 1, False)
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    mode.stacked = 2
+    x = torch.randn(4, 8, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), layer(x), atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="do not split into 2 stacked groups"):
+            lin(x[:3])
+        twin = copy.deepcopy(lin)
+        assert torch.equal(twin(x), lin(x))
+    model = _tiny_llama(2, wide=False)
+    name = "model.layers.0.self_attn.v_proj"
+    v = model.get_submodule(name)
+    adapter = LoraAdapter(
+        Path("a"),
+        "base",
+        {name: (torch.randn(2, v.in_features), torch.randn(v.out_features, 2), 1.0)},
+        {},
+    )
+    emb = StackedLoRA(model, [adapter, None], ["a", "base"]).model.get_input_embeddings()
+    for bad in (-1, 97, 127):  # 97..127: zero columns of the last panel
+        with pytest.raises(IndexError, match=r"token ids must be in \[0, 97\)"):
+            emb(torch.tensor([[3, bad]]))

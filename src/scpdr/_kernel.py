@@ -53,6 +53,7 @@ MAX_M = 64
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math")
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
+_UNSET = object()
 
 
 def _switched_off(var: str) -> bool:
@@ -132,6 +133,9 @@ def _library(
     """``resources/<name>.c`` built, loaded and ``configure``-d (argument types; once per
     process), or None with a warning (once) naming ``what`` failed and the ``fallback`` used
     instead. ``openmp``: see :func:`_load`."""
+    lib = _STATE.get(name, _UNSET)  # the common case, called per layer and step: no lock
+    if lib is not _UNSET:
+        return lib  # type: ignore[return-value]
     with _LOCK:
         if name in _STATE:
             return _STATE[name]  # type: ignore[return-value]

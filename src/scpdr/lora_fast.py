@@ -331,6 +331,12 @@ class PackedEmbedding(nn.Module):
         return self._head.weight
 
     def forward(self, input_ids: Tensor) -> Tensor:
+        if input_ids.numel():
+            lo, hi = torch.aminmax(input_ids)
+            if lo < 0 or hi >= self.num_embeddings:  # nn.Embedding's error, not a padded panel
+                raise IndexError(
+                    f"token ids must be in [0, {self.num_embeddings}), got {int(lo)}..{int(hi)}"
+                )
         packed = self._head.weight_packed
         return packed[input_ids // PANEL, :, input_ids % PANEL]
 
@@ -372,14 +378,16 @@ class StackedLoraLinear(nn.Module):
         super().__init__()
         self._in, self._out = base_layer.in_features, base_layer.out_features
         w = base_layer.weight
-        self._kernel = kernel if _packable(w) else None
-        if lora_packed and self._kernel is None:
+        # only whether to pack: the library itself is fetched at each call (a module holding a
+        # ctypes handle could not be copied or pickled)
+        packs = kernel is not None and _packable(w)
+        if lora_packed and not packs:
             raise ValueError("packed LoRA matrices need the packed kernel and a float32 CPU layer")
         self.rank = 0 if b is None else int(b.shape[-2])  # b: (L, r, out) or (L, ., r, PANEL)
         self.num_lora = 0 if a is None else int(a.shape[0])
         self._mode = mode
         c = _in_chunks(self._in) if w.device.type == "cpu" else 1
-        if self._kernel is not None:  # panels for resources/packed_gemm.c, built once
+        if packs:  # panels for resources/packed_gemm.c, built once
             # ``source``: the same weight read from the checkpoint, so that the model's own
             # (memory-mapped) copy is never paged in
             self.base_layer = None
@@ -475,14 +483,19 @@ class StackedLoraLinear(nn.Module):
     def _packed_forward(self, x: Tensor) -> Tensor:
         """:meth:`forward` on the packed layout: one call of ``scpdr_lora_linear_f32`` for the
         base matmul of all rows and the deltas of the groups with adapters; the torch reference
-        :meth:`_packed_reference` when autograd needs a graph or the input is not float32 on
-        CPU (e.g. autocast, or a model moved to another device after packing)."""
+        :meth:`_packed_reference` when autograd needs a graph, the input is not float32 on CPU
+        (e.g. autocast, or a model moved to another device after packing), or the kernel was
+        switched off after packing."""
         k, n = self._in, self._out
         rows = x.numel() // k
         g, first, lora = self._groups()
+        if rows % g:
+            raise ValueError(f"{rows} input rows do not split into {g} stacked groups")
         w = self.weight_packed
+        lib = _kernel.packed_gemm_kernel()  # cached; None if switched off since
         if (
-            (torch.is_grad_enabled() and x.requires_grad)
+            lib is None
+            or (torch.is_grad_enabled() and x.requires_grad)
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or w.device.type != "cpu"
@@ -501,7 +514,7 @@ class StackedLoraLinear(nn.Module):
                 a_ptr = self.lora_a_packed[first].data_ptr()
                 b_ptr = self.lora_b_packed[first].data_ptr()
                 tmp_ptr = tmp.data_ptr()
-            self._kernel.scpdr_lora_linear_f32(
+            lib.scpdr_lora_linear_f32(
                 g, per, n, k, x2.data_ptr(), self.weight_packed.data_ptr(), lora, self.rank,
                 a_ptr, b_ptr, tmp_ptr, y.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip

@@ -82,6 +82,12 @@ static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const 
 static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                         const float *w, float *y, int64_t ldy, int accumulate, int64_t p0,
                         int64_t p1) {
+    if (k <= 0) { /* an empty sum (rank 0): y = 0, or unchanged when accumulating */
+        if (!accumulate)
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t c = p0 * NR; c < n && c < p1 * NR; c++) y[i * ldy + c] = 0.0f;
+        return;
+    }
     int64_t chunk = X_CHUNK_BYTES / (k * (int64_t)sizeof(float)) / MR * MR;
     if (chunk < MR) chunk = MR;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
