@@ -42,3 +42,53 @@ def test_none_greedy_text_equals_hf_generate(base):
     assert ours.token_ids == hf
     assert ours.text == tok.decode(hf, skip_special_tokens=True)
     assert "Paris" in ours.text
+
+
+def test_lora_fast_path_on_the_real_model_equals_the_general_path(base, tmp_path, monkeypatch):
+    """Issue 8 on the embedded 135M model: two LoRA adapters (every projection and the tied
+    lm_head) bundled with the base; SCP-Δr-b through the shared-base fast path (packed C kernel
+    where it builds, packed tied embeddings) equals three separate merged models: log-probs of
+    a scored batch within 1e-4, the same greedy tokens."""
+    from scpdr import lora_fast
+
+    model, tok = base
+    targets = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "lm_head",
+    ]
+    refs = [
+        lora_fast.save_random_lora(
+            model,
+            tmp_path / f"a{i}",
+            base_ref="embedded",
+            r=8,
+            alpha=16,
+            target_modules=targets,
+            seed=i,
+            std=0.02,
+        )
+        for i in range(2)
+    ]
+    bundle = models.write_bundle(tmp_path / "bundle", base="embedded", constituents=refs)
+    fast = ProtectedLM.from_bundle(bundle, method="scp-delta-r", base="model")
+    assert fast._stacked is not None
+    monkeypatch.setenv(lora_fast.ENV_SWITCH, "0")
+    general = ProtectedLM.from_bundle(bundle, method="scp-delta-r", base="model")
+    assert general._stacked is None
+    prompts = ["The capital of France is", "My favourite colour is blue because"]
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    torch.testing.assert_close(
+        fast.next_token_logprobs(enc["input_ids"], enc["attention_mask"]),
+        general.next_token_logprobs(enc["input_ids"], enc["attention_mask"]),
+        atol=1e-4,
+        rtol=0,
+    )
+    a = fast.generate(prompts, max_new_tokens=8, stop_at_eos=False)
+    b = general.generate(prompts, max_new_tokens=8, stop_at_eos=False)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
