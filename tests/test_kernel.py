@@ -146,3 +146,29 @@ def test_the_packed_gemm_kernel_builds_is_cached_and_falls_back(monkeypatch, tmp
         stack = lora_fast.StackedLoRA(model, [adapter, None], ["a", "base"])
     assert "packed CPU matmul kernel is not available" in caplog.text
     assert stack.model.get_submodule(name).weight_packed is None
+
+
+def test_packed_gemm_without_openmp_builds_single_threaded(monkeypatch, tmp_path, caplog):
+    """A compiler without OpenMP (e.g. clang with no libomp): the kernel is built without
+    -fopenmp and still loads (the parallel pragmas are ignored; results are the same)."""
+    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
+    monkeypatch.setattr(_kernel, "_STATE", {})
+    real_build = _kernel._build
+
+    def build(name, source, compiler, extra=()):
+        if "-fopenmp" in extra:
+            raise RuntimeError("cc: error: unsupported option '-fopenmp'")
+        return real_build(name, source, compiler, extra)
+
+    monkeypatch.setattr(_kernel, "_build", build)
+    with caplog.at_level(logging.INFO, logger="scpdr._kernel"):
+        lib = _kernel.packed_gemm_kernel()
+    assert lib is not None and "building it single-threaded" in caplog.text
+    x, w = torch.randn(7, 40), torch.randn(70, 40)
+    from scpdr.lora_fast import pack_panels
+
+    packed, y = pack_panels(w), torch.empty(7, 70)
+    lib.scpdr_gemm_packed_f32(
+        7, 70, 40, x.data_ptr(), 40, packed.data_ptr(), y.data_ptr(), 70, 0, 2
+    )
+    torch.testing.assert_close(y, x @ w.t(), atol=1e-4, rtol=1e-4)
