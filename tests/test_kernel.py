@@ -135,13 +135,7 @@ def test_the_packed_gemm_kernel_builds_is_cached_and_falls_back(monkeypatch, tmp
     monkeypatch.setenv("CC", "definitely-not-a-compiler")
     model = testing.tiny_model(0, num_layers=1)
     name = "model.layers.0.self_attn.q_proj"
-    q = model.get_submodule(name)
-    adapter = lora_fast.LoraAdapter(
-        tmp_path,
-        "base",
-        {name: (torch.randn(2, q.in_features), torch.randn(q.out_features, 2), 1.0)},
-        {},
-    )
+    adapter = testing.random_lora_adapter(model, name, rank=2)
     with caplog.at_level(logging.WARNING, logger="scpdr._kernel"):
         stack = lora_fast.StackedLoRA(model, [adapter, None], ["a", "base"])
     assert "packed CPU matmul kernel is not available" in caplog.text

@@ -565,12 +565,7 @@ def test_kernel_switch_keeps_torch_matmuls(monkeypatch):
     matmuls; the pack/unpack layout itself round-trips exactly."""
     monkeypatch.setenv("SCPDR_GEMM_KERNEL", "0")
     model = _tiny_llama(1, wide=False)
-    adapter = LoraAdapter(
-        Path("a"),
-        "base",
-        {"model.layers.0.self_attn.q_proj": (torch.randn(2, 16), torch.randn(16, 2), 1.0)},
-        {},
-    )
+    adapter = testing.random_lora_adapter(model, "model.layers.0.self_attn.q_proj", rank=2)
     stack = StackedLoRA(model, [adapter, None], ["a", "base"])
     assert not any(m.weight_packed is not None for m in _wrapped(stack))
     w = torch.randn(130, 9)
@@ -587,13 +582,8 @@ def test_tied_embeddings_are_read_from_the_packed_head():
     release_adapters=True are emptied."""
     model = _tiny_llama(2, wide=False)
     emb = model.get_input_embeddings().weight.detach().clone()
-    name = "model.layers.0.self_attn.v_proj"
-    layer = model.get_submodule(name)
-    adapter = LoraAdapter(
-        Path("a"),
-        "base",
-        {name: (torch.randn(3, layer.in_features), torch.randn(layer.out_features, 3), 0.5)},
-        {},
+    adapter = testing.random_lora_adapter(
+        model, "model.layers.0.self_attn.v_proj", rank=3, scale=0.5
     )
     stack = StackedLoRA(model, [adapter, None], ["a", "base"], release_adapters=True)
     packed_emb = stack.model.get_input_embeddings()
@@ -664,14 +654,7 @@ def test_packed_layer_edge_cases():
         twin = copy.deepcopy(lin)
         assert torch.equal(twin(x), lin(x))
     model = _tiny_llama(2, wide=False)
-    name = "model.layers.0.self_attn.v_proj"
-    v = model.get_submodule(name)
-    adapter = LoraAdapter(
-        Path("a"),
-        "base",
-        {name: (torch.randn(2, v.in_features), torch.randn(v.out_features, 2), 1.0)},
-        {},
-    )
+    adapter = testing.random_lora_adapter(model, "model.layers.0.self_attn.v_proj", rank=2)
     emb = StackedLoRA(model, [adapter, None], ["a", "base"]).model.get_input_embeddings()
     for bad in (-1, 97, 127):  # 97..127: zero columns of the last panel
         with pytest.raises(IndexError, match=r"token ids must be in \[0, 97\)"):

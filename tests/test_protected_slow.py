@@ -50,18 +50,9 @@ def test_lora_fast_path_on_the_real_model_equals_the_general_path(base, tmp_path
     where it builds, packed tied embeddings) equals three separate merged models: log-probs of
     a scored batch within 1e-4, the same greedy tokens."""
     from scpdr import lora_fast
+    from scpdr.train import LORA_TARGET_MODULES
 
     model, tok = base
-    targets = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-        "lm_head",
-    ]
     refs = [
         lora_fast.save_random_lora(
             model,
@@ -69,7 +60,7 @@ def test_lora_fast_path_on_the_real_model_equals_the_general_path(base, tmp_path
             base_ref="embedded",
             r=8,
             alpha=16,
-            target_modules=targets,
+            target_modules=LORA_TARGET_MODULES,  # the paper's: every projection and lm_head
             seed=i,
             std=0.02,
         )

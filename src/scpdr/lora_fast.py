@@ -380,48 +380,37 @@ class StackedLoraLinear(nn.Module):
         w = base_layer.weight
         # only whether to pack: the library itself is fetched at each call (a module holding a
         # ctypes handle could not be copied or pickled)
-        packs = kernel is not None and _packable(w)
+        packs = _packs(kernel, base_layer)
         if lora_packed and not packs:
             raise ValueError("packed LoRA matrices need the packed kernel and a float32 CPU layer")
         self.rank = 0 if b is None else int(b.shape[-2])  # b: (L, r, out) or (L, ., r, PANEL)
         self.num_lora = 0 if a is None else int(a.shape[0])
         self._mode = mode
         c = _in_chunks(self._in) if w.device.type == "cpu" else 1
+        # ``source``: the same weight read from the checkpoint, so that the model's own
+        # (memory-mapped) copy is never paged in when the weight is re-laid out
+        src = (w if source is None else source.to(w.dtype)).detach()
+        packed = chunks = None
         if packs:  # panels for resources/packed_gemm.c, built once
-            # ``source``: the same weight read from the checkpoint, so that the model's own
-            # (memory-mapped) copy is never paged in
-            self.base_layer = None
-            self.register_buffer("weight_chunks", None, persistent=False)
-            self.register_buffer(
-                "weight_packed", pack_panels(w if source is None else source), persistent=False
-            )
-            bias = None if base_layer.bias is None else base_layer.bias.detach()
-            self.register_buffer("bias", bias, persistent=False)
-            # A_g (r, in) and s_g·B_g (out, r) as panels; a (L, in, r) holds A_gᵀ, b (L, r, out)
-            pa, pb = a, b
-            if a is not None and not lora_packed:
-                pa = torch.stack([pack_panels(t.t()) for t in a])
-                pb = torch.stack([pack_panels(t.t()) for t in b])
-            self.register_buffer("lora_a_packed", pa, persistent=False)
-            self.register_buffer("lora_b_packed", pb, persistent=False)
-            self.register_buffer("lora_a", None, persistent=False)
-            self.register_buffer("lora_b", None, persistent=False)
-            return
-        self.register_buffer("weight_packed", None, persistent=False)
-        if c > 1:  # (c, out, in/c) chunks; the original weight is dropped with base_layer
-            # ``source``: the same weight read from the checkpoint, so that the model's own
-            # (memory-mapped) copy is never paged in
-            src = w if source is None else source.to(w.dtype)
-            chunks = src.detach().view(self._out, c, self._in // c).permute(1, 0, 2).contiguous()
-            self.base_layer = None
-            self.register_buffer("weight_chunks", chunks, persistent=False)
-            bias = None if base_layer.bias is None else base_layer.bias.detach()
-            self.register_buffer("bias", bias, persistent=False)
-        else:
-            self.base_layer = base_layer
-            self.register_buffer("weight_chunks", None, persistent=False)
-        self.register_buffer("lora_a", a, persistent=False)
-        self.register_buffer("lora_b", b, persistent=False)
+            packed = pack_panels(src)
+            if a is not None and not lora_packed:  # a (L, in, r) = A_gᵀ, b (L, r, out) = s·B_gᵀ
+                a = torch.stack([pack_panels(t.t()) for t in a])
+                b = torch.stack([pack_panels(t.t()) for t in b])
+        elif c > 1:  # (c, out, in/c) chunks
+            chunks = src.view(self._out, c, self._in // c).permute(1, 0, 2).contiguous()
+        relaid = packed is not None or chunks is not None
+        self.base_layer = None if relaid else base_layer  # a re-laid-out original is dropped
+        bias = None if not relaid or base_layer.bias is None else base_layer.bias.detach()
+        for name, t in (
+            ("weight_packed", packed),
+            ("weight_chunks", chunks),
+            ("bias", bias),
+            ("lora_a_packed", a if packs else None),
+            ("lora_b_packed", b if packs else None),
+            ("lora_a", None if packs else a),
+            ("lora_b", None if packs else b),
+        ):
+            self.register_buffer(name, t, persistent=False)
 
     @property
     def weight(self) -> Tensor:
@@ -719,10 +708,8 @@ class StackedLoRA:
         emb_weight = getattr(emb, "weight", None)
         emb_name = next((n for n, mod in named.items() if mod is emb), None)
         tied_head: StackedLoraLinear | None = None
-        # only now modify the model; the largest weights first, so that the transient copy read
-        # from the checkpoint (the head: vocab x hidden) comes before the packed weights pile up
-        # The adapters' matrices first, then (release_adapters) the adapters' own tensors go:
-        # they share one memory map per file, freed only with the last of them.
+        # Only now modify the model. The adapters' matrices first, then (release_adapters) the
+        # adapters' own tensors go: they share one memory map per file, freed only with the last.
         matrices = {
             name: self._lora_matrices(groups, name, layer, rank, _packs(kernel, layer))
             for name, layer, rank in plans
@@ -731,6 +718,8 @@ class StackedLoRA:
             for g in groups:
                 if g is not None:
                     g.modules.clear()
+        # the largest weights first, so that the transient copy read from the checkpoint (the
+        # head: vocab x hidden) comes before the packed weights pile up
         order = [n for n, _, _ in sorted(plans + others, key=lambda p: -p[1].weight.numel())]
         del named, plans, others  # each original layer is freed as soon as it is replaced
         for name in order:

@@ -29,6 +29,7 @@ __all__ = [
     "finetune_on_text",
     "make_tiny_bundle",
     "perturbed_copy",
+    "random_lora_adapter",
     "tiny_config",
     "tiny_model",
     "tiny_tokenizer",
@@ -141,6 +142,22 @@ class _seeded:
         import torch
 
         torch.random.set_rng_state(self._state)
+
+
+def random_lora_adapter(
+    model: PreTrainedModel, module: str, *, rank: int, scale: float = 1.0, seed: int = 0
+) -> Any:
+    """An in-memory :class:`scpdr.lora_fast.LoraAdapter` over ``model`` adapting the linear
+    ``module`` with random N(0, 1) A ``(rank, in)`` and B ``(out, rank)``, LoRA scale ``scale``."""
+    import torch
+
+    from scpdr.lora_fast import LoraAdapter
+
+    layer = model.get_submodule(module)
+    gen = torch.Generator().manual_seed(int(seed))
+    a = torch.randn(rank, layer.in_features, generator=gen)
+    b = torch.randn(layer.out_features, rank, generator=gen)
+    return LoraAdapter(Path(f"random-lora-{seed}"), "base", {module: (a, b, scale)}, {})
 
 
 def perturbed_copy(model: PreTrainedModel, *, seed: int, scale: float = 0.02) -> PreTrainedModel:
