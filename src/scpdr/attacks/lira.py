@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from scpdr.attacks.pii import _common_prefix
 from scpdr.attacks.results import ResultRow
 from scpdr.attacks.scorer import Scorer, batched_token_logprobs, encode, scorer_name
 from scpdr.errors import ConfigError
@@ -141,10 +142,8 @@ def _example_ids(tok: Any, x: Any, *, max_tokens: int | None, label: str) -> tup
     elif (pr := _prompt_response(x)) is not None:
         prompt, full = pr
         ids, p_ids = encode(tok, full), encode(tok, prompt)
-        start = 0  # the tokens the prompt and the full text share (a merge at the seam is scored)
-        while start < min(len(ids), len(p_ids)) and ids[start] == p_ids[start]:
-            start += 1
-        start = max(start, 1)
+        # skip the tokens the prompt and the full text share (a merge at the seam is scored)
+        start = max(_common_prefix(ids, p_ids), 1)
     elif isinstance(x, Sequence) and all(isinstance(v, (int, np.integer)) for v in x):
         ids, start = [int(v) for v in x], 1
     else:

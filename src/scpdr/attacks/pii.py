@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,8 @@ class PIIResult:
         return out
 
 
-def _common_prefix(a: str, b: str) -> int:
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items ``a`` and ``b`` share (characters of strings, token ids, ...)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import typer
 
-_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
 
 def serve(
     bundle: Path = typer.Argument(..., help="Bundle directory (scpdr bundle / make_tiny_bundle)."),
@@ -54,6 +52,7 @@ def serve(
 ) -> None:
     """Serve BUNDLE over the OpenAI API (completions, chat, models) with NAF certificates."""
     import uvicorn
+    from uvicorn.config import LOG_LEVELS
 
     from scpdr.commands import check_method
     from scpdr.errors import ConfigError, ScpdrError
@@ -62,8 +61,8 @@ def serve(
 
     if base not in ("model", "constant"):
         raise ConfigError(f"--base must be 'model' or 'constant', got {base!r}")
-    if log_level.lower() not in _LOG_LEVELS:
-        raise ConfigError(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {log_level!r}")
+    if log_level.lower() not in LOG_LEVELS:
+        raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     if method is not None:
         check_method(method)
     if not bundle.exists():
