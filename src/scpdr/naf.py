@@ -610,7 +610,9 @@ def aggregate_with_components(
 
     The components are the floored constituents (:func:`normalize`), or for the SCP methods the
     smoothed distributions ``p~_i`` (:func:`smoothed_logps`), computed from the same smoothing
-    as the aggregate. The aggregate is bit-identical to :func:`aggregate`'s.
+    as the aggregate. The aggregate is bit-identical to :func:`aggregate`'s torch path; for
+    SCP-Δr, :func:`aggregate` on CPU uses the fused kernel, which agrees to float rounding
+    (~1e-5), so callers that certify the served distribution take both from here.
     """
     fn = _lookup(method)
     if method not in SCP_METHODS:
