@@ -1,4 +1,4 @@
-"""scpdr.train on tiny random Llamas with the real tokenizer: training lowers the loss and changes
+"""scpdr.training on tiny random Llamas with the real tokenizer: training lowers the loss and changes
 the weights, an interrupted run resumes to the same weights, goldfish drops exactly the hashed
 positions, LoRA outputs load back, and the `scpdr train` command builds a bundle end to end."""
 
@@ -13,7 +13,7 @@ import torch
 
 from scpdr.data import Record, names2ids
 from scpdr.errors import ConfigError
-from scpdr.train import (
+from scpdr.training import (
     TRAIN_INFO,
     CausalCollator,
     TrainConfig,
@@ -198,7 +198,7 @@ def test_training_changes_weights_lowers_loss_and_records_info(tmp_path, tok, re
     w0, w1 = base.state_dict(), _weights(out)
     assert any(not torch.equal(w0[k], w1[k]) for k in w1)
     info = json.loads((out / TRAIN_INFO).read_text())
-    assert info["global_step"] == 8 and info["config"] == cfg.model_dump(mode="json")
+    assert info["global_step"] == 8 and info["config"] == cfg.resolved().model_dump(mode="json")
     assert info["seeds"]["seed"] == 0 and info["data"]["records"] == len(records)
     assert [h["loss"] for h in info["log_history"] if "loss" in h]
     assert {"model.safetensors", "tokenizer.json", "config.json"} <= {p.name for p in out.iterdir()}
