@@ -18,12 +18,13 @@ def format_validation_error(exc: Any) -> str:
 
 
 def check_method(method: str, option: str = "--method") -> None:
-    """``method`` must name an aggregation rule: a typo fails here, before any model loads."""
+    """``method`` must name an aggregation rule (:data:`scpdr.methods.RULES`): a typo fails here,
+    before any model loads."""
     from scpdr.errors import ConfigError
-    from scpdr.protected import METHODS
+    from scpdr.methods import RULES
 
-    if method not in METHODS:
-        raise ConfigError(f"{option} {method!r} is unknown; use one of: {', '.join(METHODS)}")
+    if method not in RULES:
+        raise ConfigError(f"{option} {method!r} is unknown; use one of: {', '.join(RULES)}")
 
 
 def check_m(m: int | None, vocab_size: int) -> None:

@@ -163,7 +163,7 @@ class TrainConfig(BaseModel):
         value = info.get_default(call_default_factory=True)
         if value is None:
             return None
-        return ",".join(value) if isinstance(value, list) else str(value)
+        return ", ".join(value) if isinstance(value, list) else str(value)
 
     # ------------------------------------------------------------------ serialization
 
