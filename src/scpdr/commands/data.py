@@ -32,6 +32,7 @@ def _parse_fields(fields: list[str] | None) -> dict[str, str]:
 
 @with_options(FIELD_OPTIONS, GROUPING_OPTIONS, CANARY_OPTIONS)
 def partition(
+    *,
     data: str = typer.Argument(
         ...,
         help="Built-in corpus (names2ids, pycode, pydocs) or a .jsonl/.csv file or dataset dir.",
@@ -49,9 +50,9 @@ def partition(
         hidden=True,  # the older spelling of --prompt-field etc., kept working
         help="Field mapping OURS=THEIRS, e.g. --field prompt=question (repeat).",
     ),
-    field_options: dict[str, Any] = ...,  # type: ignore[assignment]
-    grouping_options: dict[str, Any] = ...,  # type: ignore[assignment]
-    canary_options: dict[str, Any] = ...,  # type: ignore[assignment]
+    field_options: dict[str, Any],
+    grouping_options: dict[str, Any],
+    canary_options: dict[str, Any],
 ) -> None:
     """Split DATA into --k disjoint partitions (near-duplicates together) and audit them.
 

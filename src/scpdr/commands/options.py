@@ -137,12 +137,12 @@ def _parameters(group: OptionGroup) -> list[inspect.Parameter]:
     for name in group.fields():
         info = group.model.model_fields[name]
         typ = _option_type(info.annotation)
+        inner = typing.get_args(typ)[0]  # typ is `inner | None`
         decls = group.flags_of(name)
-        if typing.get_args(typ)[0] is bool:
+        if inner is bool:
             first = decls[0]
             decls = (f"{first}/--no-{first[2:]}", *decls[1:])
         extra: dict[str, Any] = {}
-        inner = typing.get_args(typ)[0]
         if typing.get_origin(inner) is list:  # repeat the option: --x a --x b
             extra["metavar"] = f"<{typing.get_args(inner)[0].__name__}>"
         option = typer.Option(
@@ -202,16 +202,10 @@ def build(group: OptionGroup, values: Mapping[str, Any], **fixed: Any) -> Any:
 
 def describe(group: OptionGroup, exc: ValidationError) -> str:
     """``exc`` as ``--flag (field): message (got value)``, one clause per error."""
-    parts = []
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ())]
-        name = loc[0] if loc else ""
-        where = ".".join(loc) or "value"
-        if name in group.model.model_fields and name not in group.exclude:
-            where = f"{group.flags_of(name)[0]} ({where})"
-        got = f" (got {err['input']!r})" if "input" in err and loc else ""
-        parts.append(f"{where}: {err.get('msg', '')}{got}")
-    return "; ".join(parts)
+    from scpdr.commands import format_validation_error
+
+    names = {n: f"{group.flags_of(n)[0]} ({n})" for n in group.fields()}
+    return format_validation_error(exc, names)
 
 
 # ------------------------------------------------------------------------------- the groups

@@ -25,6 +25,7 @@ _DEFAULT_K = 2
 
 @with_options(TRAIN_OPTIONS, FIELD_OPTIONS, GROUPING_OPTIONS, CANARY_OPTIONS)
 def train(
+    *,
     data: str = typer.Option(
         ...,
         "--data",
@@ -63,10 +64,10 @@ def train(
     ),
     method: str = typer.Option("scp-delta-r", "--method", help="Default method of the bundle."),
     m: int = typer.Option(10, "--m", min=1, help="Default smoothing parameter m of the bundle."),
-    train_options: dict[str, Any] = ...,  # type: ignore[assignment]
-    field_options: dict[str, Any] = ...,  # type: ignore[assignment]
-    grouping_options: dict[str, Any] = ...,  # type: ignore[assignment]
-    canary_options: dict[str, Any] = ...,  # type: ignore[assignment]
+    train_options: dict[str, Any],
+    field_options: dict[str, Any],
+    grouping_options: dict[str, Any],
+    canary_options: dict[str, Any],
 ) -> None:
     """Train one constituent per partition of --data and write a bundle to --out."""
     from scpdr.commands import check_method
