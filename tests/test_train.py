@@ -229,6 +229,7 @@ def test_training_changes_weights_lowers_loss_and_records_info(tmp_path, tok, re
     assert info["global_step"] == 8 and info["config"] == cfg.resolved().model_dump(mode="json")
     assert info["seeds"]["seed"] == 0 and info["data"]["records"] == len(records)
     assert [h["loss"] for h in info["log_history"] if "loss" in h]
+    assert TrainConfig.from_file(out / TRAIN_INFO) == cfg.resolved()  # the run's settings
     assert {"model.safetensors", "tokenizer.json", "config.json"} <= {p.name for p in out.iterdir()}
     assert not list(tmp_path.glob("c0.tmp-*"))  # the temp dir is gone
     # same call again: already trained, returned as is; other settings: refused

@@ -54,8 +54,8 @@ def train(
     config: Path | None = typer.Option(
         None,
         "--config",
-        help="TrainConfig file (.json, .yaml; e.g. a train_info.json's config); the options "
-        "override it.",
+        help="TrainConfig settings (.json or .yaml), or a finished run's train_info.json; the "
+        "options override it.",
     ),
     allow_failed_audit: bool = typer.Option(
         False,

@@ -177,28 +177,14 @@ class TrainConfig(BaseModel):
 
     @classmethod
     def from_json(cls, text: str) -> TrainConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"invalid training config: not JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise ConfigError("invalid training config: expected a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(_parse(text, "JSON"))
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
 
     @classmethod
     def from_yaml(cls, text: str) -> TrainConfig:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"invalid training config: not YAML ({exc})") from None
-        if not isinstance(data, dict):
-            raise ConfigError("invalid training config: expected a YAML mapping")
-        return cls.from_dict(data)
+        return cls.from_dict(_parse(text, "YAML"))
 
     def to_yaml(self) -> str:
         import yaml
@@ -207,12 +193,14 @@ class TrainConfig(BaseModel):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> TrainConfig:
-        """Read a ``.json``, ``.yaml`` or ``.yml`` file (e.g. a ``train_info.json``'s config)."""
+        """Read a ``.json``, ``.yaml`` or ``.yml`` file of settings, or a finished run's
+        ``train_info.json`` (its ``config``: the settings that run used)."""
         path = Path(path)
         text = path.read_text(encoding="utf-8")
-        if path.suffix.lower() in (".yaml", ".yml"):
-            return cls.from_yaml(text)
-        return cls.from_json(text)
+        data = _parse(text, "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON")
+        if {"fingerprint", "config"} <= set(data) and isinstance(data["config"], dict):
+            data = data["config"]  # a train_info.json
+        return cls.from_dict(data)
 
     def fingerprint(self) -> str:
         """SHA-256 of the resolved settings that change the trained weights (not logging,
@@ -223,6 +211,19 @@ class TrainConfig(BaseModel):
         # "no step limit" was -1 before it was None: finished runs keep their fingerprint
         d["max_steps"] = -1 if d["max_steps"] is None else d["max_steps"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def _parse(text: str, fmt: str) -> dict[str, Any]:
+    """``text`` (JSON or YAML) as a mapping; anything else is a :class:`ConfigError`."""
+    import yaml
+
+    try:
+        data = json.loads(text) if fmt == "JSON" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"invalid training config: not {fmt} ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid training config: expected a {fmt} mapping of settings")
+    return data
 
 
 def _one_line(exc: ValidationError) -> str:
