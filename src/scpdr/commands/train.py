@@ -86,7 +86,11 @@ def train(
     if data_path.is_dir() and (data_path / "manifest.json").is_file():
         pset = load_partitions(data_path)
         given = [
-            *(f for f, v in (("--n-train", n_train), ("--n-val", n_val), ("--split", split)) if v),
+            *(
+                flag
+                for flag, v in (("--n-train", n_train), ("--n-val", n_val), ("--split", split))
+                if v is not None
+            ),
             *(["--canaries"] if canary_cfg is not None else []),
             *([f"--partitions {partitions}"] if partitions not in (None, pset.k) else []),
             *(FIELD_OPTIONS.flags_of(n)[0] for n in field_options),

@@ -136,7 +136,9 @@ class FieldMapping(BaseModel):
         None, min_length=1, description="Column with the response that follows the prompt."
     )
     id: str | None = Field(
-        None, min_length=1, description="Column with a unique record id (default: file-row)."
+        None,
+        min_length=1,
+        description="Column with a unique record id (default: <file stem>-<row>).",
     )
 
     def to_dict(self) -> dict[str, str]:
