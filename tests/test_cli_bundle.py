@@ -140,7 +140,7 @@ def test_not_a_partition_directory(tmp_path, tiny, capsys):
 def test_train_bundle_shares_the_audit(tmp_path, tiny, parts):
     """`scpdr train` (train_bundle) refuses the same leaky partitions, before any training."""
     from scpdr.errors import PartitionAuditError
-    from scpdr.train import train_bundle
+    from scpdr.training import train_bundle
 
     with pytest.raises(PartitionAuditError, match="Failed checks: near duplicate overlaps"):
         train_bundle(

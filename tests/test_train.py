@@ -1,4 +1,4 @@
-"""scpdr.train on tiny random Llamas with the real tokenizer: training lowers the loss and changes
+"""scpdr.training on tiny random Llamas with the real tokenizer: training lowers the loss and changes
 the weights, an interrupted run resumes to the same weights, goldfish drops exactly the hashed
 positions, LoRA outputs load back, and the `scpdr train` command builds a bundle end to end."""
 
@@ -13,7 +13,7 @@ import torch
 
 from scpdr.data import Record, names2ids
 from scpdr.errors import ConfigError
-from scpdr.train import (
+from scpdr.training import (
     TRAIN_INFO,
     CausalCollator,
     TrainConfig,
@@ -98,8 +98,36 @@ def test_config_paper_defaults_and_json_round_trip():
         TrainConfig.from_json('{"learning_rate": -1}')
     with pytest.raises(ValueError, match="max_steps"):
         TrainConfig(max_steps=0)
+    with pytest.raises(ValueError, match="max_steps"):
+        TrainConfig(max_steps=-2)
     with pytest.raises(ValueError, match="extra"):
         TrainConfig(nope=1)
+
+
+def test_config_keeps_paper_defaults_open_until_resolved_and_round_trips_yaml():
+    cfg = TrainConfig(seq_len=64)
+    assert cfg.epochs is None and cfg.resolved().epochs == 50.0
+    # a copy with lora switched (an experiment sweep) gets the LoRA defaults, not full FT's
+    lora = TrainConfig.model_validate({**cfg.model_dump(), "lora": True}).resolved()
+    assert (lora.epochs, lora.batch_size, lora.packing, lora.seq_len) == (20.0, 64, False, 64)
+    assert TrainConfig.from_yaml(cfg.to_yaml()) == cfg
+    assert TrainConfig.from_yaml(lora.to_yaml()) == lora
+    assert TrainConfig(epochs=0.25).resolved().epochs == 0.25  # fractional epochs
+    with pytest.raises(ValueError, match="seq_len"):
+        TrainConfig(seq_len=1)
+    with pytest.raises(ValueError, match="goldfish_h"):
+        TrainConfig(goldfish=True, goldfish_h=13, seq_len=13)
+    with pytest.raises(ConfigError, match="epochs"):
+        TrainConfig.from_yaml("epochs: 0")
+    # "no step limit" was -1 in saved configs: still read, now None
+    assert TrainConfig.from_json('{"max_steps": -1}').max_steps is None
+    # finished runs keep their fingerprint across the redesign (values of the former config)
+    assert TrainConfig().fingerprint() == (
+        "bc8e6df85ee8e1018778fb71e4471ef5b6ac6463dce69a4282e05d143884a195"
+    )
+    assert TrainConfig(lora=True, max_steps=5).fingerprint() == (
+        "6be2ec3e10211bdcb72c30dcd3976d887c578657ebc6f8343d3e9a82794942e0"
+    )
 
 
 # ------------------------------------------------------------------------------ sequences
@@ -198,9 +226,10 @@ def test_training_changes_weights_lowers_loss_and_records_info(tmp_path, tok, re
     w0, w1 = base.state_dict(), _weights(out)
     assert any(not torch.equal(w0[k], w1[k]) for k in w1)
     info = json.loads((out / TRAIN_INFO).read_text())
-    assert info["global_step"] == 8 and info["config"] == cfg.model_dump(mode="json")
+    assert info["global_step"] == 8 and info["config"] == cfg.resolved().model_dump(mode="json")
     assert info["seeds"]["seed"] == 0 and info["data"]["records"] == len(records)
     assert [h["loss"] for h in info["log_history"] if "loss" in h]
+    assert TrainConfig.from_file(out / TRAIN_INFO) == cfg.resolved()  # the run's settings
     assert {"model.safetensors", "tokenizer.json", "config.json"} <= {p.name for p in out.iterdir()}
     assert not list(tmp_path.glob("c0.tmp-*"))  # the temp dir is gone
     # same call again: already trained, returned as is; other settings: refused
@@ -309,10 +338,16 @@ def test_cli_train_tiny_end_to_end(tmp_path, capsys):
     from scpdr.data import load_partitions
     from scpdr.models import read_bundle
 
+    # a TrainConfig file (YAML) under the options: the options win, the rest comes from the file
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(
+        TrainConfig(seq_len=64, lora_r=8, epochs=0.5, warmup_steps=1).to_yaml(), encoding="utf-8"
+    )
     out = tmp_path / "bundle"
     argv = ["train", "--data", "names2ids", "--n-train", "12", "--n-val", "2", "--partitions", "2"]
     argv += ["--base", "tiny", "--max-steps", "2", "--out", str(out), "--seq-len", "32"]
     argv += ["--batch-size", "4", "--canaries", "1,2", "--canaries-per-rep", "1", "--goldfish"]
+    argv += ["--config", str(cfg_file), "--lr", "1e-3", "--seed", "3"]
     assert main(argv) == 0
     manifest = read_bundle(out)
     assert len(manifest.constituents) == 2 and manifest.audit["passed"] is True
@@ -320,10 +355,40 @@ def test_cli_train_tiny_end_to_end(tmp_path, capsys):
     pset = load_partitions(out / "partitions")
     assert manifest.partition_manifest_hash == pset.manifest.sha256()
     assert len(pset.canaries.inserted) == 2 and pset.canaries.partition == 0
+    assert pset.canaries.config.seed == 3  # --seed seeds the data, the canaries and training
+    want = TrainConfig(
+        seq_len=32,
+        lora_r=8,
+        epochs=0.5,
+        warmup_steps=1,
+        max_steps=2,
+        batch_size=4,
+        goldfish=True,
+        learning_rate=1e-3,
+        seed=3,
+    ).resolved()
+    assert manifest.extra["train_config"] == want.model_dump(mode="json")
     for i in range(2):
         info = json.loads((out / f"constituent-{i}" / TRAIN_INFO).read_text())
-        assert info["global_step"] == 2 and info["config"]["goldfish"] is True
+        assert info["global_step"] == 2 and info["config"] == want.model_dump(mode="json")
     assert "wrote bundle" in capsys.readouterr().out
+
+
+def test_cli_train_refuses_before_work_when_a_partition_dir_gets_data_options(tmp_path, capsys):
+    from scpdr.cli import main
+
+    parts = tmp_path / "p"
+    assert (
+        main(["partition", "names2ids", "--n-train", "8", "--n-val", "2", "--out", str(parts)]) == 0
+    )
+    capsys.readouterr()
+    out = tmp_path / "b"
+    argv = ["train", "--data", str(parts), "--out", str(out), "--base", "tiny"]
+    assert main([*argv, "--text-field", "body", "--num-perm", "64", "--n-val", "3"]) == 2
+    err = capsys.readouterr().err
+    for flag in ("--text-field", "--num-perm", "--n-val", "partition directory"):
+        assert flag in err
+    assert not out.exists()
 
 
 @pytest.mark.slow

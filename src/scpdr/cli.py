@@ -8,10 +8,14 @@ testable entry point; ``run()`` is the console script.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
 
 import typer
+
+#: The widest ``--help`` output, in columns (narrower terminals get narrower help).
+HELP_WIDTH = 80
 
 app = typer.Typer(
     name="scpdr",
@@ -19,6 +23,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: wrapped at words to the terminal, at most 80 columns (HELP_WIDTH). rich's
+    # option tables squeezed the help column at 80 columns and cut words with "…".
+    rich_markup_mode=None,
+    context_settings={"max_content_width": HELP_WIDTH},
 )
 
 # (module under scpdr.commands, attribute, command name). A module that does not exist yet is
@@ -45,7 +53,15 @@ def _register() -> None:
             if exc.name == f"scpdr.commands.{module}":
                 continue
             raise
-        app.command(name=name)(getattr(mod, attr))
+        func = getattr(mod, attr)
+        app.command(name=name, short_help=_summary(func))(func)
+
+
+def _summary(func: object) -> str | None:
+    """The first paragraph of a command's docstring, in one line: its line in ``scpdr --help``
+    (given whole, click wraps it at words instead of cutting it to fit one line)."""
+    doc = inspect.getdoc(func)
+    return " ".join(doc.split("\n\n")[0].split()) if doc else None
 
 
 @app.callback()

@@ -46,8 +46,25 @@ def test_partition_user_file_with_field_mapping(tmp_path: Path):
     src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     out = tmp_path / "p"
     argv = ["partition", str(src), "--k", "2", "--out", str(out)]
-    assert main([*argv, "--field", "prompt=q", "--field", "response=a"]) == 0
+    assert main([*argv, "--prompt-field", "q", "--response-field", "a"]) == 0
     pset = load_partitions(out)
     assert sorted(r.prompt for p in pset.parts for r in p) == sorted(r["q"] for r in rows)
+    # the older --field OURS=THEIRS spelling still works and gives the same partitions
+    old = tmp_path / "old"
+    assert main([*argv[:-1], str(old), "--field", "prompt=q", "--field", "response=a"]) == 0
+    assert load_partitions(old).manifest == pset.manifest
     assert main([*argv[:-1], str(tmp_path / "q"), "--field", "bad"]) == 2  # usage error
     assert main(["audit-partitions", str(tmp_path / "missing")]) == 2
+
+
+def test_a_missing_text_column_names_the_options_train_has(tmp_path: Path, capsys):
+    """The error used to suggest --field, which `scpdr train` does not have."""
+    src = tmp_path / "qa.jsonl"
+    src.write_text('{"q": "question?", "a": " answer"}\n' * 3, encoding="utf-8")
+    train = ["train", "--data", str(src), "--base", "tiny", "--out", str(tmp_path / "t")]
+    partition = ["partition", str(src), "--out", str(tmp_path / "p")]
+    for argv in (train, partition):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--prompt-field COLUMN --response-field COLUMN" in err and "--text-field" in err
+        assert "--field " not in err and not Path(argv[-1]).exists()

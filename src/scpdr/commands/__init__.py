@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 
-def format_validation_error(exc: Any) -> str:
-    """A pydantic ``ValidationError`` as one line per bad field, ``field: message (got value)``,
-    without pydantic's URLs and type codes."""
+def format_validation_error(exc: Any, names: Mapping[str, str] | None = None) -> str:
+    """A pydantic ``ValidationError`` as one clause per bad field, ``field: message (got value)``,
+    without pydantic's URLs and type codes; ``names`` renames a field (e.g. to its option)."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ())) or "value"
         got = f" (got {err['input']!r})" if "input" in err and loc != "value" else ""
-        parts.append(f"{loc}: {err.get('msg', '')}{got}")
+        first = str(err["loc"][0]) if err.get("loc") else ""
+        where = (names or {}).get(first, loc)
+        parts.append(f"{where}: {err.get('msg', '')}{got}")
     return "; ".join(parts)
 
 
 def check_method(method: str, option: str = "--method") -> None:
-    """``method`` must name an aggregation rule: a typo fails here, before any model loads."""
+    """``method`` must name an aggregation rule (:data:`scpdr.methods.RULES`): a typo fails here,
+    before any model loads."""
     from scpdr.errors import ConfigError
-    from scpdr.protected import METHODS
+    from scpdr.methods import RULES
 
-    if method not in METHODS:
-        raise ConfigError(f"{option} {method!r} is unknown; use one of: {', '.join(METHODS)}")
+    if method not in RULES:
+        raise ConfigError(f"{option} {method!r} is unknown; use one of: {', '.join(RULES)}")
 
 
 def check_m(m: int | None, vocab_size: int) -> None:

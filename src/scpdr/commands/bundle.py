@@ -68,8 +68,7 @@ def bundle(
     check_method(method)
     audit = None
     if partitions is not None:
-        from scpdr.data.partition import load_partitions
-        from scpdr.train import audit_for_bundle
+        from scpdr.data import audit_for_bundle, load_partitions
 
         pset = load_partitions(partitions)
         if len(constituent) != pset.k:

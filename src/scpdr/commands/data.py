@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
+
+from scpdr.commands.options import (
+    CANARIES,
+    CANARY_OPTIONS,
+    FIELD_OPTIONS,
+    GROUPING_OPTIONS,
+    build,
+    canary_config,
+    with_options,
+)
 
 
 def _parse_fields(fields: list[str] | None) -> dict[str, str]:
@@ -19,17 +30,9 @@ def _parse_fields(fields: list[str] | None) -> dict[str, str]:
     return out
 
 
-def _parse_reps(text: str) -> tuple[int, ...]:
-    from scpdr.errors import ConfigError
-
-    try:
-        reps = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--canaries expects repetitions like 1,3,10, got {text!r}") from None
-    return reps
-
-
+@with_options(FIELD_OPTIONS, GROUPING_OPTIONS, CANARY_OPTIONS)
 def partition(
+    *,
     data: str = typer.Argument(
         ...,
         help="Built-in corpus (names2ids, pycode, pydocs) or a .jsonl/.csv file or dataset dir.",
@@ -38,78 +41,52 @@ def partition(
     out: Path = typer.Option(..., "--out", help="Output directory (must not exist)."),
     n_train: int | None = typer.Option(None, "--n-train", help="Training examples (all)."),
     n_val: int | None = typer.Option(None, "--n-val", help="Validation examples held out."),
-    seed: int = typer.Option(0, "--seed", help="Seed for data generation and assignment."),
-    threshold: float = typer.Option(
-        0.7, "--threshold", help="Jaccard (character 5-gram shingles) grouping near-duplicates."
-    ),
-    num_perm: int = typer.Option(128, "--num-perm", min=16, max=1024, help="MinHash permutations."),
-    field: list[str] | None = typer.Option(
-        None, "--field", help="Field mapping OURS=THEIRS, e.g. --field prompt=question (repeat)."
-    ),
     split: str | None = typer.Option(None, "--split", help="Split of a saved DatasetDict."),
-    canaries: str = typer.Option(
-        "", "--canaries", help="Canary repetitions, e.g. 1,3,10 (empty: no canaries)."
+    seed: int = typer.Option(0, "--seed", help="Seed for data generation and assignment."),
+    canaries: str = CANARIES,
+    field: list[str] | None = typer.Option(
+        None,
+        "--field",
+        hidden=True,  # the older spelling of --prompt-field etc., kept working
+        help="Field mapping OURS=THEIRS, e.g. --field prompt=question (repeat).",
     ),
-    canaries_per_rep: int = typer.Option(
-        10, "--canaries-per-rep", min=1, help="Canaries per repetition count (as many held out)."
-    ),
-    canary_partition: int = typer.Option(
-        0, "--canary-partition", min=0, help="Partition that receives every canary copy."
-    ),
+    field_options: dict[str, Any],
+    grouping_options: dict[str, Any],
+    canary_options: dict[str, Any],
 ) -> None:
-    """Split DATA into --k disjoint partitions (near-duplicates together) and write --out DIR:
-    manifest.json, partition-<i>.jsonl, validation.jsonl, canaries.json; then audit them."""
-    from scpdr.data import (
-        CanaryConfig,
-        GroupingConfig,
-        audit_partitions,
-        load_corpus,
-        make_canaries,
-        partition_records,
-        save_partitions,
-    )
+    """Split DATA into --k disjoint partitions (near-duplicates together) and audit them.
+
+    Writes --out DIR: manifest.json, partition-<i>.jsonl, validation.jsonl, canaries.json.
+    """
+    from scpdr.data import prepare_partitions
     from scpdr.errors import ConfigError
 
     if out.exists():  # before the (possibly long) grouping, and naming the CLI's fix
         raise ConfigError(f"--out {out} already exists; choose a new directory or remove it")
-    corpus = load_corpus(
+    legacy = _parse_fields(field)
+    both = {f for f in legacy if f in field_options and legacy[f] != field_options[f]}
+    if both:
+        raise ConfigError(f"--field and --{sorted(both)[0]}-field disagree; pass one of them")
+    prepared = prepare_partitions(
         data,
-        n_train=n_train,
-        n_val=n_val,
-        seed=seed,
-        fields=_parse_fields(field) or None,
-        split=split,
-    )
-    registry = None
-    reps = _parse_reps(canaries)
-    if reps:
-        registry = make_canaries(
-            CanaryConfig(
-                n_per_repetition=canaries_per_rep,
-                repetitions=reps,
-                partition=canary_partition,
-                seed=seed,
-            )
-        )
-    pset = partition_records(
-        corpus.train,
         k=k,
         seed=seed,
-        grouping=GroupingConfig(threshold=threshold, num_perm=num_perm),
-        canaries=registry,
-        validation=corpus.validation,
-        dataset={
-            "name": corpus.name,
-            **{k_: v for k_, v in corpus.meta.items() if k_ != "sources"},
-        },
+        n_train=n_train,
+        n_val=n_val,
+        fields=build(FIELD_OPTIONS, {**legacy, **field_options}),
+        split=split,
+        grouping=build(GROUPING_OPTIONS, grouping_options),
+        canaries=canary_config(canaries, canary_options),
+        out=out,
+        allow_failed_audit=True,  # written either way; the summary says FAILED
     )
-    save_partitions(out, pset)
+    pset = prepared.pset
     sizes = ", ".join(str(len(p)) for p in pset.parts)
     typer.echo(
         f"wrote {out}: {pset.manifest.num_records} records in {k} partitions ({sizes}), "
         f"{pset.manifest.num_groups} near-duplicate groups, {len(pset.validation)} validation"
     )
-    typer.echo(audit_partitions(pset.manifest, pset.records(), canaries=registry).summary())
+    typer.echo(prepared.audit.summary())
 
 
 def audit_partitions(
@@ -127,7 +104,7 @@ def audit_partitions(
     pset = load_partitions(directory)
     grouping = pset.manifest.grouping
     if threshold is not None:
-        grouping = type(grouping).model_validate({**grouping.model_dump(), "threshold": threshold})
+        grouping = build(GROUPING_OPTIONS, {**grouping.model_dump(), "threshold": threshold})
     report = audit(pset.manifest, pset.records(), grouping=grouping, canaries=pset.canaries)
     if json_out is not None:
         atomic_write_json(json_out, report.to_dict())

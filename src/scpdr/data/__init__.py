@@ -1,7 +1,8 @@
 """Data: records and loaders, built-in corpora, canaries, disjoint partitions and their audit.
 
 Data flow (``shared/DESIGN.md``): dataset → canaries inserted → K disjoint partitions (+ manifest,
-audited) → one constituent trained per partition (:mod:`scpdr.train`). See ``docs/data.md``.
+audited) → one constituent trained per partition (:mod:`scpdr.training`); one function does the
+data part, :func:`prepare_partitions`. See ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,19 @@ from scpdr.data.partition import (
     partition_records,
     save_partitions,
 )
-from scpdr.data.records import DataError, Record, content_hash, load_records, save_records
+from scpdr.data.pipeline import (
+    PreparedPartitions,
+    audit_for_bundle,
+    prepare_partitions,
+)
+from scpdr.data.records import (
+    DataError,
+    FieldMapping,
+    Record,
+    content_hash,
+    load_records,
+    save_records,
+)
 
 __all__ = [
     "CANARY_PREFIX",
@@ -48,12 +61,15 @@ __all__ = [
     "CanaryRegistry",
     "Corpus",
     "DataError",
+    "FieldMapping",
     "GroupingConfig",
     "Overlap",
     "PartitionManifest",
     "PartitionSet",
+    "PreparedPartitions",
     "Record",
     "audit_dir",
+    "audit_for_bundle",
     "audit_partitions",
     "build_corpus",
     "canary_text",
@@ -66,6 +82,7 @@ __all__ = [
     "make_canaries",
     "names2ids",
     "partition_records",
+    "prepare_partitions",
     "pycode",
     "pydocs",
     "save_partitions",

@@ -99,7 +99,13 @@ def canary_text(words: Sequence[str]) -> str:
 
 
 class CanaryConfig(BaseModel):
-    """How many canaries to make and where to insert them (STYLE.md 6)."""
+    """How many canaries to make and where to insert them (paper §5.1, App. D.3; STYLE.md 6).
+
+    The one canary config: the library's, ``scpdr train``/``scpdr partition``'s options
+    (``--canaries``, ``--canaries-per-rep``, ``--canary-partition``, ``--canary-words``) and an
+    experiment corpus's YAML ``canaries:`` section. ``seed`` left ``None`` takes the seed of the
+    data preparation (:func:`scpdr.data.pipeline.prepare_partitions`; 0 in :func:`make_canaries`).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -111,7 +117,9 @@ class CanaryConfig(BaseModel):
     )
     num_words: int = Field(3, ge=1, le=16, description="Random words per canary (paper: 3).")
     partition: int = Field(0, ge=0, description="Index of the partition that gets every copy.")
-    seed: int = Field(0, description="Seed for drawing the canary words.")
+    seed: int | None = Field(
+        None, description="Seed for drawing the canary words (default: the data's seed)."
+    )
 
     @field_validator("repetitions")
     @classmethod
@@ -223,11 +231,13 @@ def make_canaries(
 ) -> CanaryRegistry:
     """Draw ``n_per_repetition`` canaries for each repetition count plus as many held-out ones.
 
-    Words are drawn uniformly with replacement from ``words`` (default: :func:`load_wordlist`);
-    all canaries are distinct. Canary ids are ``canary-r<reps>-<i>`` (inserted) and
+    Words are drawn uniformly with replacement from ``words`` (default: :func:`load_wordlist`)
+    with ``config.seed`` (0 when ``None``); all canaries are distinct. Canary ids are ``canary-r<reps>-<i>`` (inserted) and
     ``canary-heldout-<i>``.
     """
     config = config or CanaryConfig()
+    if config.seed is None:  # the registry records the seed actually used
+        config = config.model_copy(update={"seed": 0})
     words = list(words) if words is not None else load_wordlist()
     if len(set(words)) < 2:
         raise DataError("the canary word list needs at least 2 distinct words")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
 import os
 import random
 import re
@@ -32,7 +33,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from scpdr.data.records import DataError, Record, load_records
+from scpdr.data.records import DataError, FieldMapping, Record, load_records
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CORPORA",
@@ -442,13 +445,17 @@ def load_corpus(
     n_train: int | None = None,
     n_val: int | None = None,
     seed: int = 0,
-    fields: Mapping[str, str] | None = None,
+    fields: Mapping[str, str] | FieldMapping | None = None,
     split: str | None = None,
     val_fraction: float = 0.0,
 ) -> Corpus:
     """A built-in corpus by name (sizes default to the builder's) or a user file/directory
-    (:func:`~scpdr.data.records.load_records`): the first ``n_train`` records (all by default)
-    after holding out a seeded ``val_fraction`` (or ``n_val`` records) for validation."""
+    (:func:`~scpdr.data.records.load_records`).
+
+    For a user file, a seeded random ``n_val`` records (or ``val_fraction`` of them) are held out
+    for validation and a seeded random ``n_train`` of the rest (all by default) are the training
+    records, kept in file order; fewer than ``n_train`` left is a logged warning.
+    """
     name = os.fspath(source)
     if name in CORPORA:
         sizes = {k: v for k, v in (("n_train", n_train), ("n_val", n_val)) if v is not None}
@@ -468,14 +475,13 @@ def load_corpus(
     order = list(range(len(records)))
     random.Random(f"val:{seed}").shuffle(order)
     val_idx = set(order[:k_val])
-    train = [r for i, r in enumerate(records) if i not in val_idx]
-    validation = [r for i, r in enumerate(records) if i in val_idx]
-    if n_train is not None:
-        train = train[:n_train]
+    train_idx = set(order[k_val:] if n_train is None else order[k_val : k_val + n_train])
+    if n_train is not None and len(train_idx) < n_train:
+        logger.warning("%s: only %d training records (n_train=%d)", path, len(train_idx), n_train)
     return Corpus(
         name=path.stem,
-        train=train,
-        validation=validation,
+        train=[r for i, r in enumerate(records) if i in train_idx],
+        validation=[r for i, r in enumerate(records) if i in val_idx],
         meta={"seed": seed, "source": str(path.resolve())},
     )
 

@@ -22,12 +22,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from scpdr.errors import ScpdrError
 from scpdr.io import atomic_write
 
 __all__ = [
     "FIELDS",
     "DataError",
+    "FieldMapping",
     "Record",
     "content_hash",
     "load_records",
@@ -115,7 +118,37 @@ def records_hash(records: Iterable[Record]) -> str:
     return h.hexdigest()
 
 
-def _resolve_mapping(fields: Mapping[str, str] | None) -> dict[str, str]:
+class FieldMapping(BaseModel):
+    """Which column of a user's file holds each record field (unset: the field's own name).
+
+    The one field mapping: :func:`load_records`' ``fields``, ``scpdr train``/``scpdr partition``'s
+    ``--text-field``/``--prompt-field``/``--response-field``/``--id-field``, and an experiment
+    corpus's YAML ``fields:`` section.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str | None = Field(None, min_length=1, description="Column with the text to train on.")
+    prompt: str | None = Field(
+        None, min_length=1, description="Column with the prompt (the text is prompt + response)."
+    )
+    response: str | None = Field(
+        None, min_length=1, description="Column with the response that follows the prompt."
+    )
+    id: str | None = Field(
+        None,
+        min_length=1,
+        description="Column with a unique record id (default: <file stem>-<row>).",
+    )
+
+    def to_dict(self) -> dict[str, str]:
+        """``{our field: column}`` for the fields that are set."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+def _resolve_mapping(fields: Mapping[str, str] | FieldMapping | None) -> dict[str, str]:
+    if isinstance(fields, FieldMapping):
+        fields = fields.to_dict()
     mapping = {f: f for f in FIELDS}
     for ours, theirs in (fields or {}).items():
         if ours not in FIELDS:
@@ -144,9 +177,9 @@ def _row_to_record(
         present = sorted(k for k, v in row.items() if v is not None)
         raise DataError(
             f"{where}: a record needs a {mapping['text']!r} field, or both {mapping['prompt']!r} "
-            f"and {mapping['response']!r}; found fields {present}. Pass a field mapping "
-            f"(e.g. --field prompt=question --field response=answer) if the columns are named "
-            f"differently."
+            f"and {mapping['response']!r}; found fields {present}. If the columns are named "
+            f"differently, map them (--text-field COLUMN, or --prompt-field COLUMN "
+            f"--response-field COLUMN; in Python fields={{'text': COLUMN}})."
         )
     try:
         return Record.make(
@@ -188,7 +221,7 @@ def _check_unique(records: Sequence[Record], wheres: Sequence[str]) -> None:
 def load_records(
     path: str | os.PathLike[str],
     *,
-    fields: Mapping[str, str] | None = None,
+    fields: Mapping[str, str] | FieldMapping | None = None,
     split: str | None = None,
 ) -> list[Record]:
     """Load records from a ``.jsonl``/``.json`` (one object per line), ``.csv``, or a directory
@@ -197,7 +230,8 @@ def load_records(
     Args:
         path: the file or directory.
         fields: maps our field names (``id``, ``prompt``, ``response``, ``text``) to the file's
-            column names, e.g. ``{"prompt": "question", "response": "answer"}``.
+            column names, e.g. ``{"prompt": "question", "response": "answer"}`` (or a
+            :class:`FieldMapping`).
         split: for a saved ``DatasetDict``, which split to read (default ``"train"``).
 
     Missing ids default to ``"<file stem>-<row index>"``. Raises :class:`DataError` naming the

@@ -1,0 +1,200 @@
+"""The partition audit: are the partitions of a manifest disjoint, exactly and up to
+near-duplicates, and are the canaries where they belong?
+
+:func:`audit_partitions` re-checks a manifest against the records: ids in two partitions, exact
+duplicates and near-duplicates across partitions, records that changed since the manifest was
+written, and canaries in the wrong place (paper Def. 2.1: protection needs each example absent
+from at least one constituent's data).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scpdr.data.canaries import CanaryRegistry
+from scpdr.data.grouping import GroupingConfig, near_duplicate_pairs
+from scpdr.data.manifest import PartitionManifest, load_partitions
+from scpdr.data.records import Record
+from scpdr.errors import PartitionAuditError
+
+__all__ = ["AuditReport", "Overlap", "audit_dir", "audit_partitions"]
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Two records in different partitions that are the same (``kind="exact"``: same id or same
+    content hash) or near-duplicates (``kind="near"``, with their shingle Jaccard)."""
+
+    kind: str
+    id_a: str
+    partition_a: int
+    id_b: str
+    partition_b: int
+    jaccard: float = 1.0
+
+
+@dataclass
+class AuditReport:
+    """Result of :func:`audit_partitions`; ``passed`` only if every list is empty."""
+
+    k: int
+    num_records: int
+    grouping: GroupingConfig
+    exact_overlaps: list[Overlap] = field(default_factory=list)
+    near_duplicate_overlaps: list[Overlap] = field(default_factory=list)
+    integrity_errors: list[str] = field(default_factory=list)
+    canary_errors: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not (
+            self.exact_overlaps
+            or self.near_duplicate_overlaps
+            or self.integrity_errors
+            or self.canary_errors
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (also what a bundle's ``audit`` field stores)."""
+        return {
+            "passed": self.passed,
+            "k": self.k,
+            "num_records": self.num_records,
+            "grouping": self.grouping.model_dump(mode="json"),
+            "exact_overlaps": [o.__dict__ for o in self.exact_overlaps],
+            "near_duplicate_overlaps": [o.__dict__ for o in self.near_duplicate_overlaps],
+            "integrity_errors": list(self.integrity_errors),
+            "canary_errors": list(self.canary_errors),
+        }
+
+    def summary(self) -> str:
+        status = "PASSED" if self.passed else "FAILED"
+        lines = [
+            f"partition audit {status}: {self.num_records} records in {self.k} partitions; "
+            f"{len(self.exact_overlaps)} exact overlaps, "
+            f"{len(self.near_duplicate_overlaps)} near-duplicate overlaps "
+            f"(Jaccard >= {self.grouping.threshold}), {len(self.integrity_errors)} integrity "
+            f"errors, {len(self.canary_errors)} canary errors"
+        ]
+        for o in (self.exact_overlaps + self.near_duplicate_overlaps)[:20]:
+            lines.append(
+                f"  {o.kind}: {o.id_a} (partition {o.partition_a}) ~ {o.id_b} "
+                f"(partition {o.partition_b}), Jaccard {o.jaccard:.3f}"
+            )
+        lines += [f"  {e}" for e in (self.integrity_errors + self.canary_errors)[:20]]
+        return "\n".join(lines)
+
+    def raise_if_failed(
+        self, override: str = "`--allow-failed-audit`, allow_failed_audit=True in Python"
+    ) -> None:
+        """Raise :class:`~scpdr.errors.PartitionAuditError` unless passed: the summary, the
+        failed checks and the fixes (``override``: how the caller's user overrides the audit)."""
+        if self.passed:
+            return
+        failed = ", ".join(  # the non-empty lists: exact/near-duplicate overlaps, errors
+            k.replace("_", " ") for k, v in self.to_dict().items() if isinstance(v, list) and v
+        )
+        raise PartitionAuditError(
+            f"{self.summary()}\nFailed checks: {failed}. Re-partition the data (`scpdr "
+            "partition`) so that no record or near-duplicate is shared between partitions, or, "
+            f"knowingly, override the audit ({override}); the override is recorded in the bundle."
+        )
+
+
+def audit_partitions(
+    manifest: PartitionManifest,
+    records: Sequence[Record],
+    *,
+    grouping: GroupingConfig | None = None,
+    canaries: CanaryRegistry | None = None,
+) -> AuditReport:
+    """Check that the partitions of ``manifest`` are disjoint, exactly and up to near-duplicates.
+
+    Args:
+        manifest: the partition manifest.
+        records: the records the manifest refers to (typically all partitions' records); records
+            whose id the manifest does not list are ignored.
+        grouping: near-duplicate parameters (default: the manifest's).
+        canaries: if given, also check that every inserted copy sits in the canary partition and
+            that no held-out canary appears in any partition.
+
+    Reports (i) ids listed in two partitions and equal content hashes in two partitions
+    (``exact_overlaps``); (ii) cross-partition pairs with shingle Jaccard ``>= threshold``
+    (``near_duplicate_overlaps``); (iii) manifest ids without a record or whose text no longer
+    matches the manifest hash (``integrity_errors``); (iv) misplaced canaries.
+    """
+    grouping = grouping or manifest.grouping
+    report = AuditReport(k=manifest.k, num_records=manifest.num_records, grouping=grouping)
+    where = manifest.partition_of()
+    by_id = {r.id: r for r in records}
+
+    for rid, ps in where.items():
+        if len(ps) > 1:
+            report.exact_overlaps.append(Overlap("exact", rid, ps[0], rid, ps[1]))
+
+    first_by_hash: dict[str, tuple[str, int]] = {}
+    for entry in manifest.partitions:
+        if len(entry.hashes) != len(entry.ids):
+            report.integrity_errors.append(
+                f"partition {entry.index}: {len(entry.ids)} ids but {len(entry.hashes)} hashes"
+            )
+        for rid, h in zip(entry.ids, entry.hashes, strict=False):
+            rec = by_id.get(rid)
+            if rec is None:
+                report.integrity_errors.append(
+                    f"id {rid!r} (partition {entry.index}) has no record"
+                )
+            elif rec.hash != h:
+                report.integrity_errors.append(
+                    f"record {rid!r} (partition {entry.index}) changed since the manifest was "
+                    f"written (hash mismatch)"
+                )
+            prev = first_by_hash.get(h)
+            if prev is None:
+                first_by_hash[h] = (rid, entry.index)
+            elif prev[1] != entry.index and prev[0] != rid:
+                report.exact_overlaps.append(Overlap("exact", prev[0], prev[1], rid, entry.index))
+
+    # near-duplicates across partitions (over the records actually present; identical texts
+    # were reported by the hash pass above)
+    present = [
+        (rid, entry.index, by_id[rid])
+        for entry in manifest.partitions
+        for rid in entry.ids
+        if rid in by_id and where[rid][0] == entry.index
+    ]
+    for i, j, jac in near_duplicate_pairs([r.text for _, _, r in present], grouping):
+        (a, pa, ra), (b, pb, rb) = present[i], present[j]
+        if pa != pb and ra.text != rb.text:
+            report.near_duplicate_overlaps.append(Overlap("near", a, pa, b, pb, jac))
+
+    if canaries is not None:
+        for c in canaries.inserted:
+            for r in c.copies():
+                ps = where.get(r.id)
+                if ps is None:
+                    report.canary_errors.append(f"canary copy {r.id!r} is in no partition")
+                elif ps != [canaries.partition]:
+                    report.canary_errors.append(
+                        f"canary copy {r.id!r} is in partition(s) {ps}, expected "
+                        f"[{canaries.partition}]"
+                    )
+        held = {c.text: c.id for c in canaries.held_out}
+        for rid in where:
+            rec = by_id.get(rid)
+            if rec is not None and rec.text in held:
+                report.canary_errors.append(
+                    f"held-out canary {held[rec.text]!r} appears in training record {rid!r}"
+                )
+    return report
+
+
+def audit_dir(path: str | os.PathLike[str], **kwargs: Any) -> AuditReport:
+    """:func:`audit_partitions` on a directory written by :func:`save_partitions`."""
+    pset = load_partitions(path)
+    return audit_partitions(
+        pset.manifest, pset.records(), canaries=kwargs.pop("canaries", pset.canaries), **kwargs
+    )

@@ -1,0 +1,36 @@
+"""Training: one constituent fine-tuned per partition (paper App. E), then the bundle.
+
+- :mod:`~scpdr.training.config`: :class:`TrainConfig`, the one training configuration (library,
+  the experiment's YAML ``train:`` section, ``scpdr train``'s options);
+- :mod:`~scpdr.training.sequences`: records → packed or padded sequences → batches;
+- :mod:`~scpdr.training.goldfish`: the goldfish loss mask (Hans et al. 2024);
+- :mod:`~scpdr.training.finetune`: :func:`finetune`, one resumable, atomic run;
+- :mod:`~scpdr.training.bundle`: :func:`train_bundle`, every constituent and the bundle.
+
+See ``docs/training.md``.
+"""
+
+from __future__ import annotations
+
+from scpdr.data.pipeline import audit_for_bundle
+from scpdr.training.bundle import train_bundle
+from scpdr.training.config import LORA_TARGET_MODULES, PAPER_DEFAULTS, TrainConfig, make_config
+from scpdr.training.finetune import TRAIN_INFO, finetune
+from scpdr.training.goldfish import GOLDFISH_H, GOLDFISH_K, goldfish_mask
+from scpdr.training.sequences import CausalCollator, build_sequences
+
+__all__ = [
+    "GOLDFISH_H",
+    "GOLDFISH_K",
+    "LORA_TARGET_MODULES",
+    "PAPER_DEFAULTS",
+    "TRAIN_INFO",
+    "CausalCollator",
+    "TrainConfig",
+    "audit_for_bundle",
+    "build_sequences",
+    "finetune",
+    "goldfish_mask",
+    "make_config",
+    "train_bundle",
+]

@@ -1,0 +1,101 @@
+"""All constituents and the bundle: :func:`train_bundle` audits the partitions, trains one
+constituent per partition (:func:`~scpdr.training.finetune.finetune`) and writes the bundle."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scpdr.data.manifest import PartitionSet, load_partitions, save_partitions
+from scpdr.data.pipeline import PreparedPartitions, audit_for_bundle
+from scpdr.errors import ConfigError
+from scpdr.training.config import TrainConfig, make_config
+from scpdr.training.finetune import finetune
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["train_bundle"]
+
+
+def train_bundle(
+    data: PartitionSet | PreparedPartitions,
+    *,
+    base: Any,
+    config: TrainConfig | dict[str, Any] | None,
+    out: str | os.PathLike[str],
+    allow_failed_audit: bool = False,
+    method: str = "scp-delta-r",
+    m: int = 10,
+    constant_base_prompts: Sequence[str] | None = None,
+    callbacks: Sequence[TrainerCallback] = (),
+) -> Path:
+    """Audit the partitions, train one constituent per partition, and write a bundle in ``out``.
+
+    Layout: ``out/partitions/`` (:func:`scpdr.data.manifest.save_partitions`),
+    ``out/constituent-<i>/`` (:func:`finetune`), ``out/scpdr.json``
+    (:func:`scpdr.models.write_bundle` with the manifest hash and the audit; a constant base
+    vector for SCP-Δr-c from ``constant_base_prompts``, default the first 100 validation texts).
+
+    ``data`` is a :class:`PartitionSet` (audited here: a failing audit raises
+    :class:`~scpdr.errors.PartitionAuditError` unless ``allow_failed_audit``, which is recorded in
+    the bundle's ``audit`` field) or what :func:`scpdr.data.prepare_partitions` returned (its
+    audit is used). ``base`` is ``"embedded"`` or a model directory. Re-running resumes:
+    finished constituents are kept.
+    """
+    from scpdr.models import constant_base_vector, load_model, load_tokenizer, write_bundle
+
+    cfg = make_config(config)
+    if isinstance(data, PreparedPartitions):
+        pset, audit = data.pset, data.audit_record()
+    else:
+        pset, audit = data, None
+    out = Path(out)
+    pdir = out / "partitions"
+    if (pdir / "manifest.json").is_file():
+        saved = load_partitions(pdir)
+        if saved.manifest.sha256() != pset.manifest.sha256():
+            raise ConfigError(
+                f"{out} already holds different partitions; choose another --out directory"
+            )
+    if audit is None:
+        audit = audit_for_bundle(pset, allow_failed_audit=allow_failed_audit)
+    if not (pdir / "manifest.json").is_file():
+        save_partitions(pdir, pset)
+
+    refs = []
+    for i, part in enumerate(pset.parts):
+        if not part:
+            raise ConfigError(f"partition {i} is empty; use fewer partitions or more data")
+        logger.info("training constituent %d/%d on %d records", i + 1, pset.k, len(part))
+        refs.append(
+            finetune(part, base=base, config=cfg, out=out / f"constituent-{i}", callbacks=callbacks)
+        )
+
+    prompts = list(constant_base_prompts or [r.text for r in pset.validation[:100]])
+    vec = None
+    if prompts:
+        base_model = load_model(base)
+        vec = constant_base_vector(base_model, load_tokenizer(base), prompts)
+        del base_model
+    return write_bundle(
+        out,
+        base=base,
+        constituents=refs,
+        method=method,
+        m=m,
+        partition_manifest_hash=pset.manifest.sha256(),
+        audit=audit,
+        constant_base=vec,
+        extra={
+            "partitions": "partitions",
+            "train_config": cfg.model_dump(mode="json"),
+            "dataset": pset.manifest.dataset,
+            "canaries": "partitions/canaries.json" if pset.canaries is not None else None,
+        },
+    )

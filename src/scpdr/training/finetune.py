@@ -1,0 +1,319 @@
+"""Fine-tune one constituent on one partition with the HF Trainer (full fine-tuning or LoRA).
+
+Defaults follow the paper's training table (App. E, Table 6, after Abad et al. 2025; see
+:class:`~scpdr.training.config.TrainConfig`). CPU deviation: ``adamw_torch`` instead of
+``adamw_bnb_8bit`` (bitsandbytes needs CUDA). No separator token is added (the prompt and response
+are concatenated as they are, as the paper does for LoRA), so no new embedding needs initializing.
+
+Runs are resumable and their outputs atomic: a run trains in ``<out>.tmp-<fingerprint>``
+(checkpoints every ``save_steps``); re-running the same call resumes from the last checkpoint;
+the final directory (model safetensors or adapter, tokenizer, ``train_info.json``) is renamed to
+``out`` at the end. The same code runs under ``accelerate launch`` on several processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scpdr.data.records import Record, records_hash
+from scpdr.errors import ConfigError
+from scpdr.io import atomic_write_json, read_json
+from scpdr.training.config import TrainConfig, make_config
+from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TRAIN_INFO", "finetune"]
+
+#: The record of a finished run, beside its weights.
+TRAIN_INFO = "train_info.json"
+
+
+def _load_base(base: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """(model, tokenizer, ref string recorded in outputs) from a ref or a (model, tok) pair."""
+    if isinstance(base, tuple):
+        model, tok = base
+        import copy
+
+        ref = str(getattr(model.config, "_name_or_path", "") or "in-memory")
+        return copy.deepcopy(model), tok, ref
+    from scpdr.models import load_model, load_tokenizer
+
+    ref = os.fspath(base)
+    if ref == "embedded":
+        from scpdr.models import base_model_dir
+
+        path = base_model_dir()
+        return load_model(path), load_tokenizer(path), "embedded"
+    return load_model(ref), load_tokenizer(ref), str(Path(ref).resolve())
+
+
+def _tmp_dir(out: Path, fingerprint: str) -> Path:
+    return out.parent / f"{out.name}.tmp-{fingerprint[:16]}"
+
+
+def _latest_checkpoint(d: Path) -> Path | None:
+    ckpts = [p for p in d.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    ckpts = [p for p in ckpts if (p / "trainer_state.json").is_file()]
+    return max(ckpts, key=lambda p: int(p.name.split("-")[-1])) if ckpts else None
+
+
+def finetune(
+    records: Sequence[Record],
+    *,
+    base: Any,
+    config: TrainConfig | dict[str, Any] | None = None,
+    out: str | os.PathLike[str],
+    overwrite: bool = False,
+    callbacks: Sequence[TrainerCallback] = (),
+) -> Path:
+    """Fine-tune ``base`` on ``records`` and write the result to ``out`` (atomically).
+
+    Args:
+        records: the partition's training records (their ``text`` is trained on).
+        base: ``"embedded"``, a model directory (HF or anything :func:`scpdr.models.load_model`
+            reads), or a ``(model, tokenizer)`` pair (copied, never modified).
+        config: a :class:`TrainConfig` (or its dict); default: the paper's full fine-tuning.
+        out: the output directory: model safetensors (or a PEFT adapter for LoRA), tokenizer,
+            and ``train_info.json`` (config, seeds, losses, time, data hash).
+        overwrite: replace an existing ``out`` trained with different settings.
+        callbacks: extra ``transformers.TrainerCallback`` objects.
+
+    Resuming: the run trains in ``<out>.tmp-<fingerprint>``; calling ``finetune`` again with the
+    same records, base and config after an interruption resumes from the last checkpoint there
+    and reaches the same weights. If ``out`` already holds a finished run with the same
+    fingerprint it is returned as is. Returns ``out``.
+    """
+    import torch
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    cfg = make_config(config)  # resolved: the paper defaults filled in
+    records = list(records)
+    if not records:
+        raise ConfigError("finetune needs at least one record")
+    out = Path(out)
+    base_key = os.fspath(base) if not isinstance(base, tuple) else "in-memory"
+    data_hash = records_hash(records)
+    fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}".encode()).hexdigest()
+    tmp = _tmp_dir(out, fp)
+
+    info_path = out / TRAIN_INFO
+    if info_path.is_file():
+        info = read_json(info_path)
+        if info.get("fingerprint") == fp:
+            logger.info("%s already trained with these settings; skipping", out)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out
+        if not overwrite:
+            raise ConfigError(
+                f"{out} holds a model trained with other data or settings; delete {out} to train "
+                "there again, or choose another --out directory (in Python: another out, or "
+                "finetune's overwrite argument replaces it)"
+            )
+    elif out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists and is not a finished training run; remove it first")
+
+    model, tok, base_ref = _load_base(base)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    rows = build_sequences(
+        records,
+        tok,
+        seq_len=cfg.seq_len,
+        packing=bool(cfg.packing),
+        seed=cfg.seed,
+        shuffle=cfg.shuffle_examples,
+    )
+    n_tokens = sum(sum(r["attention_mask"]) for r in rows)
+    model.config.use_cache = False
+    merge_lora = cfg.merge_lora
+    if cfg.lora:
+        if base_ref != "embedded" and not Path(base_ref).is_dir() and not merge_lora:
+            logger.info("in-memory base %r cannot back an adapter; saving merged", base_ref)
+            merge_lora = True
+        from transformers import set_seed
+
+        set_seed(cfg.seed)  # the adapter's random init (the Trainer seeds only later)
+        model = _wrap_lora(model, cfg)
+
+    resume = _latest_checkpoint(tmp) if tmp.is_dir() else None
+    if resume is not None:
+        logger.info("resuming %s from %s", out, resume)
+    use_cpu = not torch.cuda.is_available()
+    args = TrainingArguments(
+        output_dir=str(tmp),
+        num_train_epochs=float(cfg.epochs),
+        max_steps=cfg.max_steps or -1,
+        per_device_train_batch_size=int(cfg.batch_size),
+        gradient_accumulation_steps=cfg.grad_accum,
+        learning_rate=float(cfg.learning_rate),
+        lr_scheduler_type=cfg.lr_scheduler,
+        warmup_steps=cfg.warmup_steps,
+        max_grad_norm=cfg.max_grad_norm,
+        weight_decay=cfg.weight_decay,
+        optim=cfg.optim,
+        neftune_noise_alpha=cfg.neftune_alpha or None,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        save_strategy="steps",
+        save_steps=cfg.save_steps,
+        save_total_limit=cfg.save_total_limit,
+        logging_steps=cfg.logging_steps,
+        logging_first_step=True,
+        report_to="none",
+        disable_tqdm=not cfg.progress,
+        bf16=cfg.bf16,
+        activation_checkpointing=cfg.gradient_checkpointing,
+        use_cpu=use_cpu,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=ListDataset(rows),
+        data_collator=CausalCollator(
+            goldfish_k=cfg.goldfish_k if cfg.goldfish else None, goldfish_h=cfg.goldfish_h
+        ),
+        callbacks=list(callbacks),
+    )
+    trainer.add_callback(_skip_final_checkpoint())
+    if not cfg.progress:  # the Trainer then prints logs to stdout; log them instead
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(_log_callback())
+    t0 = time.time()
+    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    elapsed = time.time() - t0
+
+    stage = tmp / "final"
+    if trainer.is_world_process_zero():
+        shutil.rmtree(stage, ignore_errors=True)
+        final_model = trainer.model
+        if cfg.lora:
+            final_model.peft_config["default"].base_model_name_or_path = base_ref
+            if merge_lora:
+                _untie_lm_head(final_model.get_base_model())
+                final_model = final_model.merge_and_unload()
+        if cfg.lora and not merge_lora:
+            # the frozen embeddings are the base's: keep them out of the adapter
+            final_model.save_pretrained(str(stage), save_embedding_layers=False)
+        else:
+            final_model.save_pretrained(str(stage))
+        tok.save_pretrained(str(stage))
+        info = {
+            "fingerprint": fp,
+            "config": cfg.model_dump(mode="json"),
+            "base": base_ref,
+            "seeds": {"seed": cfg.seed, "data_seed": cfg.seed},
+            "data": {
+                "records": len(records),
+                "records_sha256": data_hash,
+                "sequences": len(rows),
+                "tokens": n_tokens,
+            },
+            "global_step": trainer.state.global_step,
+            "epochs_done": trainer.state.epoch,
+            "train_loss": result.training_loss,
+            "log_history": trainer.state.log_history,
+            "resumed_from": resume.name if resume else None,
+            "train_seconds": elapsed,
+            "versions": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+            },
+            "adapter": bool(cfg.lora and not merge_lora),
+        }
+        atomic_write_json(stage / TRAIN_INFO, info)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(stage, out)
+        shutil.rmtree(tmp, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    return out
+
+
+def _skip_final_checkpoint() -> TrainerCallback:
+    """Skip the Trainer's extra checkpoint after the last step (model + optimizer state, ~1.6 GB
+    for the 135M base): the final model is saved right after training anyway."""
+    from transformers import TrainerCallback
+
+    class _Skip(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step >= state.max_steps and state.global_step % args.save_steps:
+                control.should_save = False
+
+    return _Skip()
+
+
+def _log_callback() -> TrainerCallback:
+    """A callback that sends the Trainer's log lines to :mod:`logging` (no stdout prints)."""
+    from transformers import TrainerCallback
+
+    class _LogCallback(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and state.is_world_process_zero:
+                logger.info("step %d: %s", state.global_step, logs)
+
+    return _LogCallback()
+
+
+def _wrap_lora(model: PreTrainedModel, cfg: TrainConfig) -> Any:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:  # pragma: no cover - peft is a dependency
+        from scpdr.errors import missing_dependency
+
+        raise missing_dependency("peft") from exc
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in cfg.lora_target_modules if m not in present]
+    if missing:
+        raise ConfigError(
+            f"LoRA target modules {missing} do not exist in this model; available leaf modules "
+            f"include {sorted(present)[:20]}"
+        )
+    lcfg = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lcfg)
+
+
+def _untie_lm_head(model: PreTrainedModel) -> None:
+    """Give a (LoRA-wrapped) ``lm_head`` tied to the input embeddings its own weight copy.
+
+    peft applies an ``lm_head`` adapter to the output projection only, so on a tied model (SmolLM2)
+    the trained function leaves the input embeddings alone; merging into the shared matrix would
+    change them too (peft 0.21). Untying first makes the merged model equal the trained one
+    (``scpdr.models.load_model`` does the same for adapters).
+    """
+    import torch
+
+    head = model.get_output_embeddings()
+    layer = getattr(head, "base_layer", head)
+    emb = model.get_input_embeddings()
+    emb_w = getattr(getattr(emb, "base_layer", emb), "weight", None)
+    if emb_w is None or layer.weight is not emb_w:
+        return
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    text_cfg = getattr(model.config, "get_text_config", None)
+    if callable(text_cfg):
+        text_cfg().tie_word_embeddings = False
