@@ -95,7 +95,7 @@ STAGE_VERSIONS: dict[str, int] = {
 _STAGE_CODE: dict[str, tuple[str, ...]] = {
     "data": ("scpdr.data",),
     "partitions": ("scpdr.data",),
-    "train": ("scpdr.train", "scpdr.models", "scpdr.testing", "scpdr.data"),
+    "train": ("scpdr.train", "scpdr.models", "scpdr.tiny", "scpdr.data"),
     "bundle": ("scpdr.models",),
     "attack": ("scpdr.attacks", "scpdr.protected", "scpdr.naf", "scpdr.bounds", "scpdr.models"),
     "bounds": ("scpdr.attacks", "scpdr.protected", "scpdr.naf", "scpdr.bounds", "scpdr.models"),
@@ -1392,7 +1392,7 @@ def _publish(report_dir: Path, out: Path) -> None:
 
 
 def _run_tiny_base(ctx: StageContext) -> None:
-    from scpdr.testing import tiny_model, tiny_tokenizer
+    from scpdr.tiny import tiny_model, tiny_tokenizer
 
     model = tiny_model(int(ctx.stage.inputs["seed"]))
     model.save_pretrained(str(ctx.dir / "model"))
