@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from scpdr.errors import ConfigError, ScpdrError
 from scpdr.io import atomic_write_json, read_json
-from scpdr.report.tables import MAIN_TABLE_METHODS
+from scpdr.methods import MAIN_TABLE_METHODS
 
 logger = logging.getLogger(__name__)
 
