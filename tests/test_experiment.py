@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from scpdr import methods
 from scpdr.errors import ConfigError, ScpdrError
 from scpdr.experiment import (
     MARKER,
@@ -84,7 +85,10 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
         ),
         ({"m": 0}, "m: must be ≥ 1 (got 0)"),
         ({"methods": ["none", "cp-magic"]}, "methods: unknown method(s) ['cp-magic']"),
-        ({"methods": ["scp-delta-r"]}, "name the SCP-Δr variant"),
+        (
+            {"methods": ["none", *methods.BASELINE_METHODS]},
+            "training-time baselines are switched on under `baselines:`",
+        ),
         ({"methods": ["none", "none"]}, "methods: methods repeated: ['none']"),
         ({"corpora": []}, "corpora: must have at least 1 item"),
         (
@@ -140,6 +144,17 @@ def test_config_errors_name_the_key(patch, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("alias", sorted(a for s in methods.SPECS.values() for a in s.aliases))
+def test_a_method_alias_is_stored_as_its_result_row(alias):
+    row = methods.canonical(alias)
+    base = merged(tiny_dict(), {"sweeps": [], "attacks": {"generations": {"methods": ["none"]}}})
+    patch = {"methods": ["none", alias], "bounds": {"methods": [alias]}}
+    cfg = validate_config(merged(base, patch))
+    assert row != alias and cfg.methods == ["none", row] and cfg.bounds.methods == [row]
+    with pytest.raises(ConfigError, match="methods repeated"):
+        validate_config(merged(base, {"methods": ["none", alias, row]}))
+
+
 def test_missing_corpora_and_wrong_top_level():
     with pytest.raises(ConfigError, match="corpora: is required"):
         validate_config({"name": "x"})
@@ -192,7 +207,7 @@ def test_plan_hashes_depend_only_on_relevant_settings():
 
 
 def test_sweep_point_stages_carry_their_sweep_value_in_the_label():
-    from scpdr.experiment import _matches_stage
+    from scpdr.experiment import matches_stage
 
     cfg = validate_config(tiny_dict())  # sweeps m over [1, 100], train.epochs over [1, 2] (1: main)
     planned_stages, _ = plan(cfg)
@@ -204,7 +219,7 @@ def test_sweep_point_stages_carry_their_sweep_value_in_the_label():
     assert any(s.label.startswith("train/") and "[train.epochs=2]" in s.label for s in stages)
     main_stage = next(s for s in stages if s.name == "data/names2ids")
     assert main_stage.label == main_stage.name  # shared with the main run: no sweep tag
-    forced = [s for s in stages if _matches_stage(s, canary_m1[0].label)]
+    forced = [s for s in stages if matches_stage(s, canary_m1[0].label)]
     assert forced == canary_m1
 
 
@@ -264,10 +279,10 @@ def test_runner_caches_resumes_forces_and_collects_garbage(tmp_path):
 
 
 def test_runner_refuses_a_second_concurrent_run(tmp_path):
-    from scpdr.experiment import _run_lock
+    from scpdr.experiment import run_lock
 
-    with _run_lock(tmp_path), pytest.raises(ScpdrError, match="another `scpdr experiment`"):
-        with _run_lock(tmp_path):
+    with run_lock(tmp_path), pytest.raises(ScpdrError, match="another `scpdr experiment`"):
+        with run_lock(tmp_path):
             pass
 
 
