@@ -393,6 +393,53 @@ def test_tiny_experiment_cache_and_selective_rerun(tiny_run, tmp_path):
     assert len(third.cached) == len(res.outcomes) - 3
 
 
+def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tmp_path):
+    """One evaluation pipeline: ``scpdr eval`` on the experiment's own bundle and partitions,
+    with the experiment's settings (LiRA: its targets as members, its p0 as reference), gives
+    exactly the rows of the experiment's attack stages."""
+    from scpdr.attacks.evaluation import ATTACKS, smoothing_method
+    from scpdr.attacks.results import NO_CP_VAL
+    from scpdr.cli import main
+    from scpdr.data import load_partitions, save_records
+    from scpdr.experiment import StageCache
+
+    cfg = load_config(TINY)
+    stages, _ = plan(cfg)
+    stage = {}
+    for s in stages:  # the main run's stages come first (sweep points share their names)
+        stage.setdefault(s.name, s)
+    cache = StageCache(tiny_run.out)
+    bundle = cache.stage_dir(stage["bundle/names2ids"]) / "bundle"
+    parts_dir = cache.stage_dir(stage["partitions/names2ids"])
+    p0 = cache.stage_dir(stage["train/names2ids/ref"]) / "model"
+    holdout = set(json.loads((parts_dir / "targets.json").read_text())["holdout"])
+    pset = load_partitions(parts_dir / "partitions")
+    members = save_records(tmp_path / "members.jsonl", [r for r in pset.parts[0] if r.id in holdout])
+    methods_ = ["none", smoothing_method("model")]
+    out = tmp_path / "eval"
+    argv = ["eval", str(bundle), "--data", str(parts_dir / "partitions"), "--out", str(out)]
+    argv += ["--attacks", ",".join(ATTACKS), "--methods", ",".join(methods_)]
+    argv += ["--corpus", "names2ids", "--reference", str(p0), "--members", str(members)]
+    argv += ["--m", str(cfg.m), "--n-reference", str(cfg.attacks.canary.n_reference)]
+    argv += ["--tte-n", str(cfg.attacks.tte.n), "--batch-size", str(cfg.attacks.batch_size)]
+    assert main([*argv, "--seed", str(cfg.seed)]) == 0
+
+    def canonical(rows):
+        return sorted(json.dumps(r, sort_keys=True) for r in rows)
+
+    got = json.loads((out / "results.json").read_text())
+    want = [
+        r
+        for r in tiny_run.rows
+        if r.get("sweep") is None
+        and r["attack"] in ATTACKS
+        and r["method"] in (*methods_, NO_CP_VAL)
+    ]
+    assert {r["attack"] for r in want} == set(ATTACKS)
+    assert {r["method"] for r in want} == {*methods_, NO_CP_VAL}
+    assert canonical(got) == canonical(want)
+
+
 def test_demo_checks_on_hand_made_rows():
     from scpdr.commands.demo import demo_checks
 
