@@ -339,15 +339,8 @@ def test_tiny_experiment_produces_every_column_figure_and_file(tiny_run):
         ("TTE", "ACC"),
         ("Utility", "ACC"),
     }
-    assert table.row_keys == [
-        "none",
-        "cp-delta",
-        "scp-delta-r-c",
-        "scp-delta-r-b",
-        "goldfish",
-        "none-val",
-        "ste",
-    ]
+    # the config's methods (tiny: none, cp-delta, SCP-Δr-c/-b), its baseline, No CP-val and STE
+    assert table.row_keys == [*load_config(TINY).all_methods, *methods.REFERENCE_METHODS]
     for key in table.row_keys[:-1]:  # every method row has a value in every column
         row = table.cells[table.row_keys.index(key)]
         assert all(c.value is not None for c in row[1:]), key
@@ -360,8 +353,8 @@ def test_tiny_experiment_produces_every_column_figure_and_file(tiny_run):
     assert page.count("data:image/png;base64,") == 5
     rows = json.loads(res.results_json.read_text())
     assert {"method", "attack", "metric", "value"} <= set(rows[0])
-    methods = {r["method"] for r in rows}
-    assert {"scp-delta-r-b", "scp-delta-r-c", "none-val", "goldfish"} <= methods
+    row_methods = {r["method"] for r in rows}
+    assert {"scp-delta-r-b", "scp-delta-r-c", "none-val", "goldfish"} <= row_methods
     # Sweep rows are tagged and kept out of the main table.
     m_rows = [r for r in rows if r.get("sweep") == "m"]
     assert {r["sweep_value"] for r in m_rows} == {1, 100}
