@@ -431,6 +431,12 @@ def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tm
     assert {r["attack"] for r in want} == set(ATTACKS)
     assert {r["method"] for r in want} == {*methods_, NO_CP_VAL}
     assert canonical(got) == canonical(want)
+    # and what `scpdr eval` writes beside the rows
+    timings = json.loads((out / "timings.json").read_text())
+    assert {(t["method"], t["attack"]) for t in timings} >= {(m, a) for m in methods_ for a in ATTACKS}
+    assert all(t["seconds"] > 0 for t in timings)
+    assert (out / "lira_roc.png").read_bytes()[:4] == b"\x89PNG"
+    assert set(json.loads((out / "roc.json").read_text())["names2ids"]) == set(methods_)
 
 
 def test_demo_checks_on_hand_made_rows():
