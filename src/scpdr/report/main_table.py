@@ -20,15 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from scpdr import methods as M
+from scpdr.attacks.results import NO_CP_VAL, STE  # the reference rows below the methods
 from scpdr.report.cells import Cell, Column, Table, format_value, marked_cells
 from scpdr.report.rows import corpora_for, main_rows, ordered_methods, pick, row_value, ste_of
 
 __all__ = ["COLUMN_SPECS", "ColumnSpec", "main_table", "nas_scores"]
-
-#: The reference rows below the methods: No CP on data no constituent saw, and the standard error
-#: of its values (the paper's STE row).
-NO_CP_VAL, STE = M.REFERENCE_METHODS
-
 
 @dataclass(frozen=True)
 class ColumnSpec:

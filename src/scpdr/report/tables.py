@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from scpdr import methods as M
+from scpdr.attacks.results import NO_CP_VAL
 from scpdr.report.cells import (
     Cell,
     Column,
@@ -27,7 +28,7 @@ from scpdr.report.cells import (
     rank_marks,
 )
 from scpdr.report.formats import to_html, to_markdown, to_rich
-from scpdr.report.main_table import COLUMN_SPECS, NO_CP_VAL, main_table, nas_scores
+from scpdr.report.main_table import COLUMN_SPECS, main_table, nas_scores
 from scpdr.report.rows import corpora_for, main_rows, ordered_methods, pick, row_value
 
 __all__ = [
