@@ -407,7 +407,9 @@ def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tm
     p0 = cache.stage_dir(stage["train/names2ids/ref"]) / "model"
     holdout = set(json.loads((parts_dir / "targets.json").read_text())["holdout"])
     pset = load_partitions(parts_dir / "partitions")
-    members = save_records(tmp_path / "members.jsonl", [r for r in pset.parts[0] if r.id in holdout])
+    members = save_records(
+        tmp_path / "members.jsonl", [r for r in pset.parts[0] if r.id in holdout]
+    )
     methods_ = ["none", smoothing_method("model")]
     out = tmp_path / "eval"
     argv = ["eval", str(bundle), "--data", str(parts_dir / "partitions"), "--out", str(out)]
@@ -433,7 +435,9 @@ def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tm
     assert canonical(got) == canonical(want)
     # and what `scpdr eval` writes beside the rows
     timings = json.loads((out / "timings.json").read_text())
-    assert {(t["method"], t["attack"]) for t in timings} >= {(m, a) for m in methods_ for a in ATTACKS}
+    assert {(t["method"], t["attack"]) for t in timings} >= {
+        (m, a) for m in methods_ for a in ATTACKS
+    }
     assert all(t["seconds"] > 0 for t in timings)
     assert (out / "lira_roc.png").read_bytes()[:4] == b"\x89PNG"
     assert set(json.loads((out / "roc.json").read_text())["names2ids"]) == set(methods_)

@@ -32,7 +32,12 @@ METHODS = [
 @pytest.fixture(scope="module")
 def world(attack_world):
     scorers = load_scorers(attack_world["bundle"], METHODS)
-    return {**attack_world, "scorers": scorers, "reference_of": scorers.reference_of, "q": scorers.q}
+    return {
+        **attack_world,
+        "scorers": scorers,
+        "reference_of": scorers.reference_of,
+        "q": scorers.q,
+    }
 
 
 TEXTS = [

@@ -140,9 +140,7 @@ class BundleScorers(Mapping[str, Scorer]):
         self.path = Path(path)
         self.singles = {M.resolve(k).name: str(v) for k, v in (singles or {}).items()}
         allowed = (*BUNDLE_METHODS, *self.singles)
-        self.methods = list(
-            dict.fromkeys(M.resolve(n, allowed=allowed).name for n in methods)
-        )
+        self.methods = list(dict.fromkeys(M.resolve(n, allowed=allowed).name for n in methods))
         self.manifest = models.read_bundle(self.path)
         bases = [M.SPECS[n].base for n in self.methods if n not in self.singles]
         # a base the methods need and the bundle lacks fails before any model loads

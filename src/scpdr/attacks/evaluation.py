@@ -287,7 +287,9 @@ def run_eval(
                 fn = rows_of[attack]
                 timed(method, attack, len(examples), partial(fn, scorer, examples, method))
                 if method == "none" and none_val:  # No CP on examples no constituent saw
-                    timed(NO_CP_VAL, attack, len(none_val), partial(fn, scorer, none_val, NO_CP_VAL))
+                    timed(
+                        NO_CP_VAL, attack, len(none_val), partial(fn, scorer, none_val, NO_CP_VAL)
+                    )
             elif attack == "lira":
                 members, non, _ = examples_of["lira"]
                 ref = ref_of(method) if members and non else None

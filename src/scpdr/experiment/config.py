@@ -162,7 +162,6 @@ class ExperimentConfig(Section):
         return validate_config(data)
 
 
-
 def _check_methods(v: Sequence[str], *, where: str | None = None) -> list[str]:
     """Known, non-empty, unique method names (:data:`REQUESTABLE_METHODS`), aliases replaced by
     their result row; ``where`` prefixes the message (model validators, whose errors carry no
@@ -207,7 +206,6 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         cur[int(last)] = value
     else:
         cur[last] = value
-
 
 
 _ERROR_TEMPLATES: dict[str, str] = {
@@ -275,7 +273,6 @@ def validate_config(data: Mapping[str, Any], *, source: str | None = None) -> Ex
         raise ConfigError(_format_validation_error(exc, source=source)) from None
 
 
-
 def load_config(path: str | os.PathLike[str], *, _depth: int = 0) -> ExperimentConfig:
     """Read and validate a YAML config. Relative paths (corpus sources, base model) resolve
     against the config's dir; ``extends: OTHER.yaml`` starts from another config and overrides
@@ -338,4 +335,3 @@ def _resolve_paths(data: dict[str, Any], root: Path) -> dict[str, Any]:
         if not p.is_absolute() and (root / p).exists():
             data["base"] = str((root / p).resolve())
     return data
-

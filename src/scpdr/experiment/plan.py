@@ -324,7 +324,6 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
     return out
 
 
-
 def matches_stage(stage: Stage, pattern: str) -> bool:
     """``--force`` matching on the stage's name or its label (``"attack/*[m=100]"``): equal, a
     glob match, or a prefix up to a ``/`` (``"train"`` matches ``"train/ids/c0"``)."""

@@ -303,7 +303,6 @@ def _publish(report_dir: Path, out: Path) -> None:
         shutil.copytree(plots_src, plots_dst)
 
 
-
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int) -> Iterator[Callable[..., None]]:
     """A rich progress display over the stages: one line per stage as it finishes."""

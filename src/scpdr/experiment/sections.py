@@ -40,9 +40,7 @@ __all__ = [
 
 #: Result rows a config's ``methods`` may name (aliases resolve to their row): every NAF rule
 #: over a bundle's constituents. Training-time baselines are switched on under ``baselines:``.
-REQUESTABLE_METHODS: tuple[str, ...] = tuple(
-    n for n, s in M.SPECS.items() if s.kind == "aggregate"
-)
+REQUESTABLE_METHODS: tuple[str, ...] = tuple(n for n, s in M.SPECS.items() if s.kind == "aggregate")
 #: The one training-time baseline (Hans et al. 2024's goldfish loss): its result row, and the name
 #: of its section under ``baselines:`` and of its training stage.
 (GOLDFISH,) = M.BASELINE_METHODS
@@ -311,4 +309,3 @@ class SweepConfig(Section):
 class ReportConfig(Section):
     title: str | None = Field(None, description="report title (default: the experiment name)")
     plots: bool = Field(True, description="draw the plots")
-

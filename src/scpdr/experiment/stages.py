@@ -243,4 +243,3 @@ def run_ref_bundle(ctx: StageContext) -> None:
         constant_base=load_constant_base(main, manifest),
         extra={"experiment": ctx.config.name, "reference_for": str(main)},
     )
-

@@ -42,7 +42,9 @@ def _store(ctx: StageContext) -> ModelStore:
     return store
 
 
-def attack_options(attack: str, section: dict[str, Any], *, batch_size: int, seed: int) -> EvalOptions:
+def attack_options(
+    attack: str, section: dict[str, Any], *, batch_size: int, seed: int
+) -> EvalOptions:
     """The :class:`EvalOptions` of one attack stage: its config section (``attacks.<attack>``)
     mapped onto the pipeline's options; examples are never truncated (no ``max_tokens``)."""
     from scpdr.attacks.evaluation import EvalOptions
@@ -108,7 +110,10 @@ def run_attack(ctx: StageContext) -> None:
         if attack == "generations":
             acfg = inp["config"]
             gens = generations(
-                scorers[method], data, n=int(acfg["n"]), max_new_tokens=int(acfg["max_new_tokens"]),
+                scorers[method],
+                data,
+                n=int(acfg["n"]),
+                max_new_tokens=int(acfg["max_new_tokens"]),
                 seed=seed,
             )
             atomic_write_json(ctx.dir / "generations.json", [g | {"method": method} for g in gens])

@@ -26,6 +26,7 @@ from scpdr.report.rows import corpora_for, main_rows, ordered_methods, pick, row
 
 __all__ = ["COLUMN_SPECS", "ColumnSpec", "main_table", "nas_scores"]
 
+
 @dataclass(frozen=True)
 class ColumnSpec:
     group: str
@@ -48,8 +49,6 @@ COLUMN_SPECS: tuple[ColumnSpec, ...] = (
 """Main-table columns in the paper's order; NAS comes first and is computed."""
 
 
-
-
 def nas_scores(
     values: Mapping[str, Sequence[float | None]], weights: Sequence[float]
 ) -> dict[str, float | None]:
@@ -64,7 +63,6 @@ def nas_scores(
     table = {k: {j: v for j, v in enumerate(vals) if v is not None} for k, vals in values.items()}
     scores = nas(table, weights=dict(enumerate(weights)), exclude=())
     return {k: (v if math.isfinite(v) else None) for k, v in scores.items()}
-
 
 
 def main_table(
@@ -177,4 +175,3 @@ def main_table(
         separator_before=separator,
         notes=notes,
     )
-

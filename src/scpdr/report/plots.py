@@ -26,6 +26,7 @@ from scpdr.io import atomic_write
 
 __all__ = ["bound_histograms", "exposure_vs_m", "lira_roc", "method_color", "tte_vs_epochs"]
 
+
 def method_color(method: str) -> str:
     """The plot colour of a result row (:attr:`scpdr.methods.MethodSpec.color`; grey for rows
     not in the registry)."""

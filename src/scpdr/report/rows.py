@@ -95,14 +95,10 @@ def corpora_for(rows: Sequence[Mapping[str, Any]], attack: str) -> list[str | No
     return list(seen)
 
 
-
 def ordered_methods(rows: Sequence[Mapping[str, Any]], methods: Sequence[str] | None) -> list[str]:
     present = {r.get("method") for r in rows}
     if methods is not None:
         return [m for m in methods if m not in M.REFERENCE_METHODS]
     known = [m for m in M.METHOD_ORDER if m in present]
-    other = sorted(
-        m for m in present if m not in M.METHOD_ORDER and m not in M.REFERENCE_METHODS
-    )
+    other = sorted(m for m in present if m not in M.METHOD_ORDER and m not in M.REFERENCE_METHODS)
     return known + [m for m in other if isinstance(m, str)]
-

@@ -60,9 +60,7 @@ def kx_table(
 ) -> Table | None:
     """Methods × corpora table of a bound's 99th percentile (rows ``attack == "bounds"``,
     ``metric == metric``); None when there are no such rows."""
-    rows = [
-        r for r in main_rows(rows) if r.get("attack") == "bounds" and r.get("metric") == metric
-    ]
+    rows = [r for r in main_rows(rows) if r.get("attack") == "bounds" and r.get("metric") == metric]
     if not rows:
         return None
     labels = dict(corpus_labels or {})
@@ -89,7 +87,6 @@ def kx_table(
     }
     notes = ["Lower is better: a smaller bound means less can be learned about one partition."]
     return methods_table(title, columns, vals, methods, notes)
-
 
 
 def canary_table(
@@ -148,7 +145,6 @@ def canary_table(
     return table
 
 
-
 def lira_table(
     rows: Iterable[Any],
     *,
@@ -184,7 +180,6 @@ def lira_table(
     return methods_table(title, columns, vals, methods, notes)
 
 
-
 def generations_table(
     generations: Sequence[Mapping[str, Any]], methods: Sequence[str]
 ) -> Table | None:
@@ -206,4 +201,3 @@ def generations_table(
         cells=cells,
         corner="#",
     )
-
