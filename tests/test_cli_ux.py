@@ -134,14 +134,13 @@ def test_serve_bad_options_are_one_line(tiny, capsys, extra, needle):
     _one_line_error(capsys, needle)
 
 
-def test_serve_defaults_to_the_bundles_m(tmp_path, capsys):
+def test_serve_defaults_to_the_bundles_m(tiny, tmp_path, capsys):
     """A bundle whose m cannot run (m >= V): `serve` without --m must use it, not a fixed 10."""
     import json
+    import shutil
     import socket
 
-    from scpdr.testing import make_tiny_bundle
-
-    bundle = make_tiny_bundle(tmp_path / "b", k=2, constant_base=False)
+    bundle = Path(shutil.copytree(tiny, tmp_path / "b"))  # a copy: the shared one stays intact
     manifest = json.loads((bundle / "scpdr.json").read_text())  # write_bundle refuses m >= V:
     manifest["m"] = 100_000  # a hand-edited manifest
     (bundle / "scpdr.json").write_text(json.dumps(manifest))

@@ -114,7 +114,7 @@ def test_eval_runs_the_attacks_that_have_data(tiny, parts_without_canaries, tmp_
 
 
 def test_missing_data_names_each_attack_without_data(parts_without_canaries):
-    from scpdr.attacks.runner import ATTACKS, EvalData, missing_data
+    from scpdr.attacks.evaluation import ATTACKS, EvalData, missing_data
 
     data = EvalData.from_partitions(parts_without_canaries)
     assert missing_data(data, ATTACKS) == {"canary": "no canaries in the data"}

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from scpdr import methods
 from scpdr.errors import ConfigError, ScpdrError
 from scpdr.experiment import (
     MARKER,
@@ -84,7 +85,10 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
         ),
         ({"m": 0}, "m: must be ≥ 1 (got 0)"),
         ({"methods": ["none", "cp-magic"]}, "methods: unknown method(s) ['cp-magic']"),
-        ({"methods": ["scp-delta-r"]}, "name the SCP-Δr variant"),
+        (
+            {"methods": ["none", *methods.BASELINE_METHODS]},
+            "training-time baselines are switched on under `baselines:`",
+        ),
         ({"methods": ["none", "none"]}, "methods: methods repeated: ['none']"),
         ({"corpora": []}, "corpora: must have at least 1 item"),
         (
@@ -140,6 +144,17 @@ def test_config_errors_name_the_key(patch, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("alias", sorted(a for s in methods.SPECS.values() for a in s.aliases))
+def test_a_method_alias_is_stored_as_its_result_row(alias):
+    row = methods.canonical(alias)
+    base = merged(tiny_dict(), {"sweeps": [], "attacks": {"generations": {"methods": ["none"]}}})
+    patch = {"methods": ["none", alias], "bounds": {"methods": [alias]}}
+    cfg = validate_config(merged(base, patch))
+    assert row != alias and cfg.methods == ["none", row] and cfg.bounds.methods == [row]
+    with pytest.raises(ConfigError, match="methods repeated"):
+        validate_config(merged(base, {"methods": ["none", alias, row]}))
+
+
 def test_missing_corpora_and_wrong_top_level():
     with pytest.raises(ConfigError, match="corpora: is required"):
         validate_config({"name": "x"})
@@ -192,7 +207,7 @@ def test_plan_hashes_depend_only_on_relevant_settings():
 
 
 def test_sweep_point_stages_carry_their_sweep_value_in_the_label():
-    from scpdr.experiment import _matches_stage
+    from scpdr.experiment import matches_stage
 
     cfg = validate_config(tiny_dict())  # sweeps m over [1, 100], train.epochs over [1, 2] (1: main)
     planned_stages, _ = plan(cfg)
@@ -204,7 +219,7 @@ def test_sweep_point_stages_carry_their_sweep_value_in_the_label():
     assert any(s.label.startswith("train/") and "[train.epochs=2]" in s.label for s in stages)
     main_stage = next(s for s in stages if s.name == "data/names2ids")
     assert main_stage.label == main_stage.name  # shared with the main run: no sweep tag
-    forced = [s for s in stages if _matches_stage(s, canary_m1[0].label)]
+    forced = [s for s in stages if matches_stage(s, canary_m1[0].label)]
     assert forced == canary_m1
 
 
@@ -264,10 +279,10 @@ def test_runner_caches_resumes_forces_and_collects_garbage(tmp_path):
 
 
 def test_runner_refuses_a_second_concurrent_run(tmp_path):
-    from scpdr.experiment import _run_lock
+    from scpdr.experiment import run_lock
 
-    with _run_lock(tmp_path), pytest.raises(ScpdrError, match="another `scpdr experiment`"):
-        with _run_lock(tmp_path):
+    with run_lock(tmp_path), pytest.raises(ScpdrError, match="another `scpdr experiment`"):
+        with run_lock(tmp_path):
             pass
 
 
@@ -324,15 +339,8 @@ def test_tiny_experiment_produces_every_column_figure_and_file(tiny_run):
         ("TTE", "ACC"),
         ("Utility", "ACC"),
     }
-    assert table.row_keys == [
-        "none",
-        "cp-delta",
-        "scp-delta-r-c",
-        "scp-delta-r-b",
-        "goldfish",
-        "none-val",
-        "ste",
-    ]
+    # the config's methods (tiny: none, cp-delta, SCP-Δr-c/-b), its baseline, No CP-val and STE
+    assert table.row_keys == [*load_config(TINY).all_methods, *methods.REFERENCE_METHODS]
     for key in table.row_keys[:-1]:  # every method row has a value in every column
         row = table.cells[table.row_keys.index(key)]
         assert all(c.value is not None for c in row[1:]), key
@@ -345,8 +353,8 @@ def test_tiny_experiment_produces_every_column_figure_and_file(tiny_run):
     assert page.count("data:image/png;base64,") == 5
     rows = json.loads(res.results_json.read_text())
     assert {"method", "attack", "metric", "value"} <= set(rows[0])
-    methods = {r["method"] for r in rows}
-    assert {"scp-delta-r-b", "scp-delta-r-c", "none-val", "goldfish"} <= methods
+    row_methods = {r["method"] for r in rows}
+    assert {"scp-delta-r-b", "scp-delta-r-c", "none-val", "goldfish"} <= row_methods
     # Sweep rows are tagged and kept out of the main table.
     m_rows = [r for r in rows if r.get("sweep") == "m"]
     assert {r["sweep_value"] for r in m_rows} == {1, 100}
@@ -376,6 +384,63 @@ def test_tiny_experiment_cache_and_selective_rerun(tiny_run, tmp_path):
         "report",
     ]
     assert len(third.cached) == len(res.outcomes) - 3
+
+
+def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tmp_path):
+    """One evaluation pipeline: ``scpdr eval`` on the experiment's own bundle and partitions,
+    with the experiment's settings (LiRA: its targets as members, its p0 as reference), gives
+    exactly the rows of the experiment's attack stages."""
+    from scpdr.attacks.evaluation import ATTACKS, smoothing_method
+    from scpdr.attacks.results import NO_CP_VAL
+    from scpdr.cli import main
+    from scpdr.data import load_partitions, save_records
+    from scpdr.experiment import StageCache
+
+    cfg = load_config(TINY)
+    stages, _ = plan(cfg)
+    stage = {}
+    for s in stages:  # the main run's stages come first (sweep points share their names)
+        stage.setdefault(s.name, s)
+    cache = StageCache(tiny_run.out)
+    bundle = cache.stage_dir(stage["bundle/names2ids"]) / "bundle"
+    parts_dir = cache.stage_dir(stage["partitions/names2ids"])
+    p0 = cache.stage_dir(stage["train/names2ids/ref"]) / "model"
+    holdout = set(json.loads((parts_dir / "targets.json").read_text())["holdout"])
+    pset = load_partitions(parts_dir / "partitions")
+    members = save_records(
+        tmp_path / "members.jsonl", [r for r in pset.parts[0] if r.id in holdout]
+    )
+    methods_ = ["none", smoothing_method("model")]
+    out = tmp_path / "eval"
+    argv = ["eval", str(bundle), "--data", str(parts_dir / "partitions"), "--out", str(out)]
+    argv += ["--attacks", ",".join(ATTACKS), "--methods", ",".join(methods_)]
+    argv += ["--corpus", "names2ids", "--reference", str(p0), "--members", str(members)]
+    argv += ["--m", str(cfg.m), "--n-reference", str(cfg.attacks.canary.n_reference)]
+    argv += ["--tte-n", str(cfg.attacks.tte.n), "--batch-size", str(cfg.attacks.batch_size)]
+    assert main([*argv, "--seed", str(cfg.seed)]) == 0
+
+    def canonical(rows):
+        return sorted(json.dumps(r, sort_keys=True) for r in rows)
+
+    got = json.loads((out / "results.json").read_text())
+    want = [
+        r
+        for r in tiny_run.rows
+        if r.get("sweep") is None
+        and r["attack"] in ATTACKS
+        and r["method"] in (*methods_, NO_CP_VAL)
+    ]
+    assert {r["attack"] for r in want} == set(ATTACKS)
+    assert {r["method"] for r in want} == {*methods_, NO_CP_VAL}
+    assert canonical(got) == canonical(want)
+    # and what `scpdr eval` writes beside the rows
+    timings = json.loads((out / "timings.json").read_text())
+    assert {(t["method"], t["attack"]) for t in timings} >= {
+        (m, a) for m in methods_ for a in ATTACKS
+    }
+    assert all(t["seconds"] > 0 for t in timings)
+    assert (out / "lira_roc.png").read_bytes()[:4] == b"\x89PNG"
+    assert set(json.loads((out / "roc.json").read_text())["names2ids"]) == set(methods_)
 
 
 def test_demo_checks_on_hand_made_rows():

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from scpdr import methods
 from scpdr.attacks.bounds_analysis import bound_distributions
-from scpdr.attacks.results import load_results
-from scpdr.attacks.runner import EvalData, EvalOptions, load_bundle_scorers, run_eval
+from scpdr.attacks.evaluation import EvalData, EvalOptions, load_scorers, run_eval, smoothing_method
+from scpdr.attacks.results import NO_CP_VAL, load_results
 from scpdr.attacks.scorer import (
     batched_greedy,
     batched_next_token,
@@ -21,41 +22,21 @@ from scpdr.attacks.scorer import (
 )
 from scpdr.cli import main
 
-METHODS = ["none", "cp-delta-r", "scp-delta-r-b", "scp-delta-r-c"]
+SCP_B, SCP_C = smoothing_method("model"), smoothing_method("constant")
+# No CP, CP-Δr and both SCP-Δr variants: the rules whose bounds and leakage differ most
+METHODS = [
+    m for m in methods.MAIN_TABLE_METHODS if methods.SPECS[m].rule in ("none", "cp-delta-r")
+] + [SCP_B, SCP_C]
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from scpdr.data import (
-        CanaryConfig,
-        make_canaries,
-        names2ids,
-        partition_records,
-        save_partitions,
-    )
-    from scpdr.testing import make_tiny_bundle
-
-    root = tmp_path_factory.mktemp("attacks-world")
-    corpus = names2ids(n_train=6, n_val=3, seed=0)
-    reg = make_canaries(CanaryConfig(n_per_repetition=2, repetitions=(3,), partition=0, seed=0))
-    pset = partition_records(
-        corpus.train,
-        k=2,
-        seed=0,
-        canaries=reg,
-        validation=corpus.validation,
-        dataset={"name": "names2ids"},
-    )
-    parts = save_partitions(root / "parts", pset)
-    bundle = make_tiny_bundle(root / "bundle", seed=0)
-    scorers, reference_of, q = load_bundle_scorers(bundle, METHODS)
+def world(attack_world):
+    scorers = load_scorers(attack_world["bundle"], METHODS)
     return {
-        "root": root,
-        "parts": parts,
-        "bundle": bundle,
+        **attack_world,
         "scorers": scorers,
-        "reference_of": reference_of,
-        "q": q,
+        "reference_of": scorers.reference_of,
+        "q": scorers.q,
     }
 
 
@@ -67,7 +48,7 @@ TEXTS = [
 
 
 def test_batching_and_padding_do_not_change_scores(world):
-    sc = world["scorers"]["scp-delta-r-b"]
+    sc = world["scorers"][SCP_B]
     seqs = [encode(sc.tokenizer, t) for t in TEXTS]
     one = batched_token_logprobs(sc, seqs, batch_size=1)
     many = batched_token_logprobs(sc, seqs, batch_size=3)
@@ -87,15 +68,15 @@ def test_batching_and_padding_do_not_change_scores(world):
 
 
 def test_bound_distributions_match_the_runtime_certificates(world):
-    sc = {name: world["scorers"][name] for name in ("cp-delta-r", "scp-delta-r-b", "scp-delta-r-c")}
-    comp_scorer = sc["scp-delta-r-b"]  # runs the constituents and the base model
+    sc = {name: world["scorers"][name] for name in ("cp-delta-r", SCP_B, SCP_C)}
+    comp_scorer = sc[SCP_B]  # runs the constituents and the base model
     seqs = [encode(comp_scorer.tokenizer, t) for t in TEXTS]
     dist = bound_distributions(
         comp_scorer,
         seqs,
         methods=list(sc),
         ref_scorer=world["q"],
-        base_vector=sc["scp-delta-r-c"].base_vector,
+        base_vector=sc[SCP_C].base_vector,
         batch_size=2,
     )
     for name, scorer in sc.items():
@@ -106,12 +87,12 @@ def test_bound_distributions_match_the_runtime_certificates(world):
             dist.values["k_x"][name], torch.cat(want).numpy(), rtol=1e-3, atol=1e-5
         )
     # SCP smooths the RPDs: its k_x is far below CP-Δr's on the same positions
-    assert np.percentile(dist.values["k_x"]["scp-delta-r-b"], 99) < np.percentile(
+    assert np.percentile(dist.values["k_x"][SCP_B], 99) < np.percentile(
         dist.values["k_x"]["cp-delta-r"], 99
     )
     assert set(dist.values["v_x"]) == set(sc)
     rows = dist.rows(corpus="toy")
-    assert any(r.metric == "k_x_p99" and r.method == "scp-delta-r-c" for r in rows)
+    assert any(r.metric == "k_x_p99" and r.method == SCP_C for r in rows)
 
 
 def test_every_attack_runs_on_protected_scorers(world):
@@ -129,7 +110,7 @@ def test_every_attack_runs_on_protected_scorers(world):
         utility_n=2,
         utility_max_tokens=16,
     )
-    scorers = {m: world["scorers"][m] for m in ("none", "scp-delta-r-b")}
+    scorers = {m: world["scorers"][m] for m in ("none", SCP_B)}
     rep = run_eval(
         scorers,
         data,
@@ -143,8 +124,12 @@ def test_every_attack_runs_on_protected_scorers(world):
     rep.rows += can.rows
     rep.timings += can.timings
     got = {(r.method, r.attack, r.metric) for r in rep.rows}
-    assert {("none", "canary", "exposure_p95"), ("none", "canary", "baseline_exposure_p95")} <= got
-    for m in ("none", "scp-delta-r-b"):
+    assert {("none", "canary", "exposure_p95"), (NO_CP_VAL, "canary", "exposure_p95")} <= got
+    # the never-inserted canaries are No CP-val's rows (repetitions 0), no other method's
+    assert not any(r.metric.startswith("baseline_") for r in rep.rows)
+    val = [r for r in rep.rows if r.method == NO_CP_VAL and r.attack == "canary"]
+    assert {r.extra["repetitions"] for r in val} == {0}
+    for m in ("none", SCP_B):
         for attack, metric in [
             ("pii", "ael"),
             ("pii", "fer"),
@@ -156,11 +141,11 @@ def test_every_attack_runs_on_protected_scorers(world):
         ]:
             assert (m, attack, metric) in got, (m, attack, metric)
     for attack, metric in [("pii", "ael"), ("canary", "exposure_mean"), ("tte", "auc")]:
-        assert ("none-val", attack, metric) in got
+        assert (NO_CP_VAL, attack, metric) in got
     for r in rep.rows:
         assert r.value is not None and (np.isfinite(r.value) or r.attack == "tte")
     assert {t["attack"] for t in rep.timings} == {"canary", "pii", "tte", "lira", "utility"}
-    assert set(rep.roc_curves()) == {"none", "scp-delta-r-b"}
+    assert set(rep.roc_curves()) == {"none", SCP_B}
 
 
 @pytest.mark.parametrize("cmd", ["eval", "bounds", "prop-bounds"])
@@ -169,37 +154,11 @@ def test_help(cmd, capsys):
     assert "--out" in capsys.readouterr().out
 
 
-def test_eval_cli(world, tmp_path):
+def test_eval_cli_refuses_an_unknown_attack(world, tmp_path):
+    # `scpdr eval` end to end: tests/test_experiment.py runs it on the tiny experiment's bundle
     out = tmp_path / "ev"
-    rc = main(
-        [
-            "eval",
-            str(world["bundle"]),
-            "--data",
-            str(world["parts"]),
-            "--out",
-            str(out),
-            "--attacks",
-            "pii,lira,utility",
-            "--methods",
-            "none,cp-delta-r",
-            "--lira-n",
-            "2",
-            "--utility-n",
-            "2",
-            "--max-tokens",
-            "16",
-            "--batch-size",
-            "8",
-        ]
-    )
-    assert rc == 0
-    rows = load_results(out / "results.json")
-    assert {r.method for r in rows} == {"none", "none-val", "cp-delta-r"}
-    assert json.loads((out / "timings.json").read_text())[0]["seconds"] > 0
-    assert (out / "lira_roc.png").stat().st_size > 0
-    assert set(json.loads((out / "roc.json").read_text())["names2ids"]) == {"none", "cp-delta-r"}
-    assert main(["eval", str(world["bundle"]), "--out", str(out), "--attacks", "nope"]) != 0
+    assert main(["eval", str(world["bundle"]), "--out", str(out), "--attacks", "nope"]) == 2
+    assert not out.exists()
 
 
 def test_bounds_cli(world, tmp_path):
@@ -226,7 +185,7 @@ def test_bounds_cli(world, tmp_path):
     assert rc == 0
     dists = json.loads((out / "distributions.json").read_text())["names2ids"]
     assert {"k_x", "t_x", "v_x", "k_x_rare", "v_x_rare"} <= set(dists)
-    assert len(dists["v_x_rare"]["scp-delta-r-b"]) > 0
+    assert len(dists["v_x_rare"][SCP_B]) > 0
     metrics = {r.metric for r in load_results(out / "results.json")}
     assert {"k_x_p99", "v_x_rare_p99"} <= metrics
     assert (out / "bounds_hist.png").stat().st_size > 0
@@ -276,6 +235,6 @@ def test_eval_default_methods_skip_what_the_bundle_cannot_run(world, tmp_path, c
         rc = main([*args, "--out", str(out), "--utility-n", "2", "--max-tokens", "8"])
     assert rc == 0
     methods = {r.method for r in load_results(out / "results.json")}
-    assert "scp-delta-r-b" in methods and "scp-delta-r-c" not in methods
-    assert "scp-delta-r-c" in caplog.text
-    assert main([*args, "--out", str(tmp_path / "ev2"), "--methods", "scp-delta-r-c"]) != 0
+    assert SCP_B in methods and SCP_C not in methods
+    assert SCP_C in caplog.text
+    assert main([*args, "--out", str(tmp_path / "ev2"), "--methods", SCP_C]) != 0

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from scpdr import methods
 from scpdr.report.tables import (
     canary_table,
     format_value,
@@ -357,3 +358,17 @@ def test_lira_table():
         "second",
     ]
     assert lira_table([]) is None
+
+
+@pytest.mark.parametrize("method", methods.METHOD_ORDER)
+def test_every_registered_method_is_labelled_coloured_and_ordered_by_the_registry(method):
+    from scpdr.report.plots import method_color
+
+    rows = [
+        {"method": m, "attack": "pii", "metric": "ael", "value": 1.0, "corpus": "ids"}
+        for m in (method, "none")
+    ]
+    t = main_table(rows)
+    assert t.row_labels[t.row_keys.index(method)] == methods.SPECS[method].label
+    assert method_color(method) == methods.SPECS[method].color
+    assert t.row_keys == [m for m in methods.METHOD_ORDER if m in (method, "none")]

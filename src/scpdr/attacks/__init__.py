@@ -15,8 +15,9 @@ method, or a single model (the "No CP" rows) — and uses only its teacher-force
   Thms. 2.3, 2.7, 4.4, 4.5).
 - ``sparps``: the Expected SpaRPS curve B(m) of Fig. 2a (Def. 3.4).
 - ``prop_bounds``: the App. D.4 synthetic illustration of Proposition 4.8.
-- ``runner``: the data an evaluation needs, scorers from a bundle, every attack on every
-  method with timings (``scpdr eval``).
+- ``evaluation``: the one evaluation pipeline of ``scpdr eval`` and ``scpdr experiment``:
+  scorers from a bundle (``bundle_scorers``) → every attack on every method, with timings, on the
+  data of ``eval_data`` → result rows.
 
 Submodules import lazily: ``import scpdr.attacks`` loads nothing heavy.
 """
@@ -46,10 +47,14 @@ _EXPORTS = {
     "utility": "utility",
     "nas": "nas",
     "nas_from_rows": "nas",
-    "EvalData": "runner",
-    "EvalOptions": "runner",
-    "run_eval": "runner",
-    "load_bundle_scorers": "runner",
+    "EvalData": "eval_data",
+    "select": "eval_data",
+    "EvalOptions": "evaluation",
+    "run_eval": "evaluation",
+    "generations": "evaluation",
+    "load_scorers": "bundle_scorers",
+    "BundleScorers": "bundle_scorers",
+    "ModelStore": "bundle_scorers",
     "bound_distributions": "bounds_analysis",
     "expected_sparps_curve": "sparps",
     "collect_next_token_logprobs": "sparps",

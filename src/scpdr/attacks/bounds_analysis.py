@@ -13,9 +13,9 @@ constituent (and base) log-probs at every position; every bound of every method 
   targets), ``q`` = constituent 1 and ``p_0`` from a reference scorer (constituent 0 of
   ``ref_scorer``: a model trained on a subset without the targets).
 
-Methods are result-row names: ``"cp-delta"``, ``"cp-kl"``, ``"cp-delta-r"``, ``"scp-delta"``,
-``"scp-delta-r-b"`` (base = the base model, from the components) and ``"scp-delta-r-c"`` (base =
-the bundle's constant vector, passed as ``base_vector``); ``"none"`` gives ``max_i Δ(p_0||p_i)``.
+Methods are the result-row names of :data:`scpdr.methods.BOUND_METHODS`: every stateless rule,
+SCP-Δr-b (base = the base model, from the components) and SCP-Δr-c (base = the bundle's constant
+vector, passed as ``base_vector``); No CP ("none") gives ``max_i Δ(p_0||p_i)``.
 Rare tokens are the secret part of canaries; typical tokens are every position of training text
 (the report's quantities ``k_x``, ``t_x``, ``v_x`` and ``*_rare``).
 """
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from scpdr import methods as M
 from scpdr.attacks.results import ResultRow
 from scpdr.attacks.scorer import (
     Scorer,
@@ -55,28 +56,19 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Result-row method → (``scpdr.naf`` method, base source: None, "model" or "constant").
-BOUND_METHODS: dict[str, tuple[str, str | None]] = {
-    "none": ("none", None),
-    "cp-delta": ("cp-delta", None),
-    "cp-kl": ("cp-kl", None),
-    "cp-delta-r": ("cp-delta-r", None),
-    "scp-delta": ("scp-delta", "model"),
-    "scp-delta-r": ("scp-delta-r", "model"),
-    "scp-delta-r-b": ("scp-delta-r", "model"),
-    "scp-delta-r-c": ("scp-delta-r", "constant"),
-}
+#: Result-row methods with per-position bounds (:data:`scpdr.methods.BOUND_METHODS`; aliases such
+#: as "scp-delta-r" resolve to their row).
+BOUND_METHODS: tuple[str, ...] = M.BOUND_METHODS
 QUANTITIES = ("k_x", "t_x", "v_x")
 
 
 def split_bound_method(name: str) -> tuple[str, str | None]:
-    try:
-        return BOUND_METHODS[name]
-    except KeyError:
-        raise ConfigError(
-            f"no bound for method {name!r}; bounds exist for {', '.join(BOUND_METHODS)} "
-            "(cp-fuse is stateful and has no per-position NAF bound of its own)"
-        ) from None
+    """``(rule, base)`` of a result-row method with bounds: its ``scpdr.naf`` rule and the base
+    its smoothing uses ("model", "constant" or None). Raises
+    :class:`~scpdr.methods.UnknownMethodError` (a ``ConfigError``) naming the methods with
+    bounds (CP-Fuse is stateful and has no per-position NAF bound of its own)."""
+    spec = M.resolve(name, allowed=M.BOUND_METHODS, what="bound method")
+    return spec.rule, spec.base
 
 
 @dataclass
@@ -175,7 +167,7 @@ def bound_distributions(
     unknown = [q for q in quantities if q not in QUANTITIES]
     if unknown:
         raise ConfigError(f"unknown bound quantities {unknown}; known: {list(QUANTITIES)}")
-    specs = {name: split_bound_method(name) for name in methods}
+    specs = {M.canonical(name): split_bound_method(name) for name in methods}  # row name: rule
     want_v = "v_x" in quantities
     if want_v and ref_scorer is None:
         log.info("bounds: no reference scorer (p0): v_x skipped")
@@ -233,7 +225,7 @@ def bound_distributions(
                     out.add("k_x", name, bounds.k_x(method, lp[:, sl], base=b, m=m))
                 if "t_x" in quantities:
                     out.add("t_x", name, bounds.t_x(method, lp[:, sl], base=b, m=m))
-                if want_v and method in bounds.V_X_METHODS:
+                if want_v and M.SPECS[name].has_v_x:
                     v = bounds.v_x(method, lp[:2, sl], p0k[sl], y[sl], base=b, m=m)
                     out.add("v_x", name, v)
         out.n_positions += int(keep.sum())

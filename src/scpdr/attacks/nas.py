@@ -21,7 +21,7 @@ import math
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
-from scpdr.attacks.results import ResultRow
+from scpdr.attacks.results import STE, ResultRow
 
 __all__ = ["NAS_METRICS", "attack_weights_by_corpora", "nas", "nas_from_rows"]
 
@@ -49,7 +49,7 @@ def nas(
     table: Mapping[str, Mapping[Hashable, float]],
     *,
     weights: Mapping[Hashable, float] | None = None,
-    exclude: Iterable[str] = ("ste",),
+    exclude: Iterable[str] = (STE,),
 ) -> dict[str, float]:
     """NAS of every method in ``table`` (``{method: {column: value}}``; higher value = more
     leakage). ``weights`` maps a column to its weight (default 1). Rows named in ``exclude``
@@ -101,13 +101,13 @@ def nas_from_rows(
     *,
     attack_weights: Mapping[str, float] | None = None,
     canary_repetitions: int | None = None,
-    exclude: Iterable[str] = ("ste",),
+    exclude: Iterable[str] = (STE,),
 ) -> tuple[dict[str, float], list[ResultRow]]:
     """NAS from result rows: one column per ``(attack, corpus, metric)`` of :data:`NAS_METRICS`.
 
     Canary columns use one repetition count: ``canary_repetitions``, else 3 (the paper's main
     setting) when present, else the largest — the choice the report's main table makes. A canary
-    row without ``repetitions`` or with 0 (e.g. ``"none-val"``: never-inserted canaries) is that
+    row without ``repetitions`` or with 0 (e.g. No CP-val: never-inserted canaries) is that
     method's value; ``baseline_*`` rows are not columns.
 
     ``attack_weights``: attack → weight of each of its columns; default
@@ -128,7 +128,7 @@ def nas_from_rows(
         attack, metric = _get(r, "attack"), _get(r, "metric")
         if attack == "canary":
             rep = _get(r, "repetitions")
-            # repetitions None or 0 (e.g. "none-val") is the method's one pooled value
+            # repetitions None or 0 (e.g. No CP-val) is the method's one pooled value
             if _get(r, "baseline") or (rep and int(rep) != canary_repetitions):
                 continue
         col = (attack, _get(r, "corpus"), metric)

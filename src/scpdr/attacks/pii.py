@@ -10,7 +10,7 @@ notes. It stops once the extracted text leaves the true ID or the ID is complete
 - **FER** (full-ID extraction rate): the fraction of IDs extracted completely.
 
 Run on the target partition's names it measures extraction; run on validation names (names the
-model never saw, reported as ``"none-val"``) it is the chance baseline.
+model never saw, reported as the No CP-val row) it is the chance baseline.
 """
 
 from __future__ import annotations

@@ -17,10 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from scpdr import methods
 from scpdr.errors import ScpdrError
 from scpdr.io import atomic_write_json, read_json
 
 __all__ = [
+    "NO_CP_VAL",
+    "STE",
     "ResultRow",
     "bootstrap_std",
     "load_results",
@@ -30,6 +33,11 @@ __all__ = [
 ]
 
 _CORE = ("method", "attack", "metric", "value", "n", "std", "corpus")
+
+#: The reference rows attacks and reports add (:data:`scpdr.methods.REFERENCE_METHODS`): No CP
+#: attacked on data no constituent saw (paper Table 3's "No CP-val"), and the standard error of
+#: its values (Table 3's "STE").
+NO_CP_VAL, STE = methods.REFERENCE_METHODS
 
 
 def _clean(value: Any) -> Any:

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import typer
 
-_DEFAULT_METHODS = "cp-delta,cp-kl,cp-delta-r,scp-delta-r-c,scp-delta-r-b"
+from scpdr.methods import BOUND_METHODS, MAIN_TABLE_METHODS
+
+# the main table's methods that have bounds (not No CP, whose k_x is no protection, nor CP-Fuse)
+_DEFAULT_METHODS = ",".join(m for m in MAIN_TABLE_METHODS if m in BOUND_METHODS and m != "none")
 
 
 def bounds(
@@ -25,8 +28,7 @@ def bounds(
     methods: str = typer.Option(
         _DEFAULT_METHODS,
         "--methods",
-        help="Comma-separated: none, cp-delta, cp-kl, cp-delta-r, scp-delta, scp-delta-r-b, "
-        "scp-delta-r-c.",
+        help=f"Comma-separated, among: {', '.join(BOUND_METHODS)}.",
     ),
     prompts: Path | None = typer.Option(
         None, "--prompts", help="Text file (one prompt per line) or JSONL/CSV records."
@@ -54,13 +56,18 @@ def bounds(
         plot_bound_histograms,
         split_bound_method,
     )
+    from scpdr.attacks.evaluation import (
+        EvalData,
+        bundle_bases,
+        bundle_data_dir,
+        load_scorers,
+        smoothing_method,
+    )
     from scpdr.attacks.results import save_results
-    from scpdr.attacks.runner import EvalData, bundle_bases, bundle_data_dir
     from scpdr.attacks.scorer import encode
     from scpdr.commands import check_m, check_out_dir, split_list
     from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
-    from scpdr.protected import ProtectedLM
 
     log = logging.getLogger(__name__)
     check_out_dir(out)
@@ -91,14 +98,12 @@ def bounds(
         raise ConfigError("no prompts to compute bounds on")
 
     base_vector = bundle_bases(bundle, manifest, [src for _, src in specs.values()])
-    use_base = manifest.base is not None
-    scorer = ProtectedLM.from_bundle(
-        bundle, method="scp-delta-r", m=m, base="model" if use_base else "constant"
-    )
-    ref_scorer = None
-    if reference is not None:
-        ref_scorer = ProtectedLM.from_model(M.load_model(reference), scorer.tokenizer)
-    mm = scorer.m
+    # one scorer whose components carry the constituents' and the base's log-probs
+    through = smoothing_method("model" if manifest.base is not None else "constant")
+    scorers = load_scorers(bundle, [through], m=m, reference=reference)
+    scorer = scorers[through]
+    ref_scorer = scorers.reference_of("none") if reference is not None else None  # p0 alone
+    mm = scorers.m
     common = dict(
         methods=method_list,
         m=mm,

@@ -35,6 +35,7 @@ def demo(
 def demo_checks(rows: list[dict[str, Any]]) -> list[str]:
     """The demo's claims, checked on its rows: No CP extracts ≥ half of the IDs in full,
     SCP-Δr-b ≤ 5%, and SCP-Δr-b's next-token accuracy is within 0.02 of No CP's."""
+    from scpdr.methods import canonical
 
     def value(method: str, attack: str, metrics: tuple[str, ...]) -> float | None:
         for r in rows:
@@ -48,10 +49,11 @@ def demo_checks(rows: list[dict[str, Any]]) -> list[str]:
                 return float(r["value"])
         return None
 
+    scp_b = canonical("scp-delta-r")  # SCP-Δr-b, the paper's method
     fer_none = value("none", "pii", ("fer",))
-    fer_scp = value("scp-delta-r-b", "pii", ("fer",))
+    fer_scp = value(scp_b, "pii", ("fer",))
     acc_none = value("none", "utility", ("accuracy", "acc"))
-    acc_scp = value("scp-delta-r-b", "utility", ("accuracy", "acc"))
+    acc_scp = value(scp_b, "utility", ("accuracy", "acc"))
     checks = []
 
     def line(ok: bool | None, text: str) -> str:

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import typer
 
-_DEFAULT_METHODS = "none,cp-delta,cp-kl,cp-fuse,cp-delta-r,scp-delta-r-c,scp-delta-r-b"
+from scpdr.methods import MAIN_TABLE_METHODS, SPECS
+
+_DEFAULT_METHODS = ",".join(MAIN_TABLE_METHODS)
+_KNOWN_METHODS = ", ".join(n for n, s in SPECS.items() if s.kind == "aggregate")
 
 
 def eval_(
@@ -27,8 +30,8 @@ def eval_(
     methods: str = typer.Option(
         _DEFAULT_METHODS,
         "--methods",
-        help="Comma-separated result-row methods: none, cp-delta, cp-kl, cp-fuse, cp-delta-r, "
-        "scp-delta-r-b, scp-delta-r-c, scp-delta.",
+        help=f"Comma-separated result-row methods: {_KNOWN_METHODS} (scpdr.methods; "
+        "scp-delta-r = scp-delta-r-b).",
     ),
     data: Path | None = typer.Option(
         None, "--data", help="Partition directory (default: the bundle's extra.partitions)."
@@ -76,22 +79,23 @@ def eval_(
     """Run attacks against the methods of a bundle and write DIR/results.json."""
     import logging
 
-    from scpdr.attacks.lira import plot_roc
-    from scpdr.attacks.results import save_results
-    from scpdr.attacks.runner import (
+    from scpdr.attacks.evaluation import (
         ATTACKS,
+        BUNDLE_METHODS,
         EvalData,
         EvalOptions,
         bundle_data_dir,
         check_attacks,
-        load_bundle_scorers,
+        load_scorers,
         missing_data,
-        resolve_method,
         run_eval,
     )
+    from scpdr.attacks.lira import plot_roc
+    from scpdr.attacks.results import save_results
     from scpdr.commands import check_m, check_out_dir, split_list
     from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
+    from scpdr.methods import resolve
     from scpdr.models import read_bundle
 
     log = logging.getLogger(__name__)
@@ -99,13 +103,13 @@ def eval_(
     attack_list = split_list(attacks, "--attacks", "canary, pii, tte, lira, utility")
     check_attacks(attack_list)  # before any model is loaded
     method_list = split_list(methods, "--methods", _DEFAULT_METHODS.replace(",", ", "))
-    for name in method_list:
-        resolve_method(name)
+    # result-row names (an alias names its row), checked before any model loads
+    method_list = list(dict.fromkeys(resolve(n, allowed=BUNDLE_METHODS).name for n in method_list))
     manifest = read_bundle(bundle)
     check_m(m, manifest.vocab_size)
     if methods == _DEFAULT_METHODS:  # the defaults: only the variants this bundle can run
         lacks = {"model": manifest.base is None, "constant": manifest.constant_base is None}
-        dropped = [n for n in method_list if lacks.get(resolve_method(n)[1] or "", False)]
+        dropped = [n for n in method_list if lacks.get(SPECS[n].base or "", False)]
         if dropped:
             log.warning(
                 "bundle %s lacks what %s need (a base model for '-b', a constant base vector for "
@@ -125,6 +129,7 @@ def eval_(
         n_reference=n_reference,
         batch_size=batch_size,
         pii_n=pii_n,
+        pii_val_n=pii_n,
         tte_n=tte_n,
         tte_max_tokens=max_tokens,
         tte_q_fails=q_fails,
@@ -156,12 +161,8 @@ def eval_(
         )
     for a, why in missing.items():
         log.warning("%s skipped: %s (%s)", a, why, data)
-    scorers, reference_of, q_scorer = load_bundle_scorers(
-        bundle, method_list, m=m, reference=reference
-    )
-    report = run_eval(
-        scorers, eval_data, attack_list, options=options, reference=reference_of, q_scorer=q_scorer
-    )
+    scorers = load_scorers(bundle, method_list, m=m, reference=reference)
+    report = run_eval(scorers, eval_data, attack_list, options=options)
     if not report.rows:  # e.g. LiRA alone without a reference model
         raise ConfigError(
             f"no result rows: every attack of --attacks {','.join(attack_list)} was skipped "

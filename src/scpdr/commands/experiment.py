@@ -81,9 +81,9 @@ def run_and_print(
 def _check_force(config: Path, stages: Sequence[Stage], force: list[str]) -> None:
     """Every --force pattern must name at least one stage (a typo would silently re-run nothing)."""
     from scpdr.errors import ConfigError
-    from scpdr.experiment import _matches_stage
+    from scpdr.experiment import matches_stage
 
-    unmatched = [p for p in force if not any(_matches_stage(s, p) for s in stages)]
+    unmatched = [p for p in force if not any(matches_stage(s, p) for s in stages)]
     if unmatched:
         kinds = sorted({n.split("/")[0] for s in stages for n in (s.name, s.label)})
         raise ConfigError(
@@ -99,7 +99,7 @@ def _print_plan(
     from rich.console import Console
     from rich.markup import escape as rich_escape
 
-    from scpdr.experiment import StageRunner, _matches_stage
+    from scpdr.experiment import StageRunner, matches_stage
 
     runner = StageRunner(out, cfg, progress=False)
     console = Console()
@@ -108,7 +108,7 @@ def _print_plan(
         if s.key in seen:
             continue
         seen.add(s.key)
-        if any(_matches_stage(s, p) for p in force):
+        if any(matches_stage(s, p) for p in force):
             status = "forced"
         else:
             status = "cached" if runner.is_done(s) else "to run"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from scpdr.report.render import READING_GUIDE, RenderedReport, ReportInputs, render_report
 from scpdr.report.tables import (
-    METHOD_LABELS,
     Table,
     canary_table,
     format_value,
@@ -22,7 +21,6 @@ from scpdr.report.tables import (
 )
 
 __all__ = [
-    "METHOD_LABELS",
     "READING_GUIDE",
     "RenderedReport",
     "ReportInputs",

@@ -21,36 +21,26 @@ from typing import Any
 
 import numpy as np
 
+from scpdr import methods as M
 from scpdr.io import atomic_write
-from scpdr.report.tables import METHOD_LABELS, METHOD_ORDER
 
 __all__ = ["bound_histograms", "exposure_vs_m", "lira_roc", "method_color", "tte_vs_epochs"]
 
-_COLORS = {
-    "none": "#444444",
-    "cp-delta": "#1f77b4",
-    "cp-kl": "#9467bd",
-    "cp-fuse": "#8c564b",
-    "cp-delta-r": "#ff7f0e",
-    "scp-delta-r-c": "#17becf",
-    "scp-delta-r-b": "#2ca02c",
-    "scp-delta": "#e377c2",
-    "goldfish": "#bcbd22",
-    "none-val": "#999999",
-}
-
 
 def method_color(method: str) -> str:
-    return _COLORS.get(method, "#7f7f7f")
+    """The plot colour of a result row (:attr:`scpdr.methods.MethodSpec.color`; grey for rows
+    not in the registry)."""
+    spec = M.SPECS.get(M.canonical(method))
+    return spec.color if spec is not None else "#7f7f7f"
 
 
 def _label(method: str) -> str:
-    return METHOD_LABELS.get(method, method)
+    return M.label(method)
 
 
 def _sorted_methods(methods: Iterable[str]) -> list[str]:
     methods = list(dict.fromkeys(methods))
-    rank = {m: i for i, m in enumerate(METHOD_ORDER)}
+    rank = {m: i for i, m in enumerate(M.METHOD_ORDER)}
     return sorted(methods, key=lambda m: (rank.get(m, len(rank)), m))
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from scpdr import methods as M
 from scpdr.io import atomic_write_text
 from scpdr.report import plots
 from scpdr.report.tables import (
-    METHOD_LABELS,
     Table,
     canary_table,
     generations_table,
@@ -69,7 +69,9 @@ class ReportInputs:
     distributions: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     roc: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     generations: list[dict[str, Any]] = field(default_factory=list)
-    generation_methods: list[str] = field(default_factory=lambda: ["none", "scp-delta-r-b"])
+    generation_methods: list[str] = field(
+        default_factory=lambda: ["none", M.canonical("scp-delta-r")]  # No CP vs SCP-Δr-b
+    )
     config_text: str | None = None
     notes: list[str] = field(default_factory=list)
     omitted_reasons: dict[str, str] = field(default_factory=dict)
@@ -282,7 +284,7 @@ def render_report(
         )
     blocks.append(_Block("h2", "Generations"))
     if "generations" in tables:
-        meths = " vs ".join(METHOD_LABELS.get(m, m) for m in inputs.generation_methods)
+        meths = " vs ".join(M.label(m) for m in inputs.generation_methods)
         blocks.append(_Block("p", f"Greedy continuations of training prompts: {meths}."))
         blocks.append(_Block("table", table=tables["generations"]))
     else:

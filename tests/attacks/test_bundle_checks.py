@@ -1,4 +1,4 @@
-"""The bundle checks shared by ``scpdr eval`` and ``scpdr bounds`` (scpdr.attacks.runner)."""
+"""The bundle checks shared by ``scpdr eval``, ``scpdr bounds`` and the experiment (scpdr.attacks.bundle_scorers)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scpdr.attacks.runner import bundle_bases, bundle_data_dir, check_attacks
+from scpdr.attacks.evaluation import bundle_bases, bundle_data_dir, check_attacks
 from scpdr.errors import ConfigError
 
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
+from scpdr.attacks.evaluation import EvalData, run_eval
 from scpdr.attacks.exposure import Canary
-from scpdr.attacks.runner import EvalData, run_eval
 from scpdr.errors import ConfigError
 
 
@@ -24,7 +24,7 @@ class _Untouchable:
 def test_attacks_without_their_data_are_skipped_with_a_reason(caplog):
     # canaries without their candidate space cannot be scored either
     data = EvalData(canaries=[Canary("prefix", ("a", "b"), 1)], canary_space=None)
-    with caplog.at_level(logging.INFO, logger="scpdr.attacks.runner"):
+    with caplog.at_level(logging.INFO, logger="scpdr.attacks.evaluation"):
         rep = run_eval(
             {"none": _Untouchable(), "cp-delta": _Untouchable()},
             data,

@@ -1,0 +1,144 @@
+"""What the evaluation pipeline (:mod:`scpdr.attacks.evaluation`) attacks: the target partition's
+training texts and Names2IDs records, the validation set, the canaries and their candidate space,
+LiRA's members and non-members — and the one rule that draws a subset of them (:func:`select`).
+
+``scpdr eval`` builds an :class:`EvalData` from a partition directory
+(:meth:`EvalData.from_partitions`, the layout of ``scpdr.data.save_partitions``); every attack
+stage of ``scpdr experiment`` builds it from the loaded partition set
+(:meth:`EvalData.from_partition_set`), with LiRA's members set to the targets its reference model
+p0 was trained without.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from scpdr.attacks.exposure import Canary, CanarySpace
+from scpdr.attacks.pii import PIIRecord
+from scpdr.errors import ConfigError
+
+__all__ = ["EvalData", "select"]
+
+T = TypeVar("T")
+
+_PII_PROMPT = re.compile(r"^Name: (?P<name>.+), ID:$")
+# The ID is the digits the model emits after the prompt (paper §5.1, "Names2IDs": names paired
+# with 10-digit IDs; the PII attack reads the ID digits): a record whose response is not
+# " <digits>" is no PII target.
+_PII_RESPONSE = re.compile(r"^ (?P<id>\d+)$")
+
+
+def select(items: Sequence[T], n: int | None, *, seed: int, salt: str) -> list[T]:
+    """``n`` of ``items`` drawn uniformly at random (seeded by ``salt`` and ``seed``), kept in
+    their original order; all of them when ``n`` is None or at least ``len(items)``.
+
+    The one subset rule of every attack: the same data, ``n``, ``seed`` and ``salt`` give the
+    same examples in ``scpdr eval`` and ``scpdr experiment``. ``salt`` names the use (``"pii"``,
+    ``"tte-val"``, ...), so two attacks on the same list draw independently."""
+    items = list(items)
+    if n is None or n >= len(items):
+        return items
+    rng = random.Random(f"{salt}:{seed}")
+    idx = sorted(rng.sample(range(len(items)), n))
+    return [items[i] for i in idx]
+
+
+@dataclass
+class EvalData:
+    """The data the attacks read. Lists may be empty: an attack without its data is skipped
+    with a log line (:func:`scpdr.attacks.evaluation.run_eval`).
+
+    Attributes:
+        corpus: the corpus name in the result rows.
+        train: texts of the target partition (canary copies left out): TTE's targets.
+        validation: held-out texts: utility, and the No CP-val rows of TTE.
+        pii / pii_val: Names2IDs records of the target partition / the validation set.
+        canaries / canary_space: every canary (inserted and never-inserted, ``repetitions`` 0)
+            and the space their secrets are drawn from.
+        members / nonmembers: LiRA's examples (texts or records: a prompted record is scored on
+            its response given its prompt, the paper's r(y|x)); None = ``train`` / ``validation``.
+        records: the target partition's records (canary copies left out): the prompts of the
+            side-by-side generations.
+    """
+
+    corpus: str = "data"
+    train: list[str] = field(default_factory=list)
+    validation: list[str] = field(default_factory=list)
+    pii: list[PIIRecord] = field(default_factory=list)
+    pii_val: list[PIIRecord] = field(default_factory=list)
+    canaries: list[Canary] = field(default_factory=list)
+    canary_space: CanarySpace | None = None
+    members: list[Any] | None = None
+    nonmembers: list[Any] | None = None
+    records: list[Any] = field(default_factory=list)
+
+    @staticmethod
+    def pii_records(records: Sequence[Any]) -> list[PIIRecord]:
+        """Names2IDs records (``prompt = "Name: <name>, ID:"``, ``response = " <digits>"``)."""
+        out = []
+        for r in records:
+            p = _PII_PROMPT.match(getattr(r, "prompt", None) or "")
+            q = _PII_RESPONSE.match(getattr(r, "response", None) or "")
+            if p and q:
+                out.append(PIIRecord(p["name"], q["id"]))
+        return out
+
+    @classmethod
+    def from_partitions(
+        cls,
+        path: str | Path,
+        *,
+        target: int | None = None,
+        corpus: str | None = None,
+    ) -> EvalData:
+        """Read a partition directory (``manifest.json``, ``partition-<i>.jsonl``,
+        ``validation.jsonl``, ``canaries.json``); see :meth:`from_partition_set`. The corpus
+        name defaults to the manifest's dataset name, else the directory's name."""
+        from scpdr.data import load_partitions
+
+        pset = load_partitions(path)
+        name = corpus or str(pset.manifest.dataset.get("name") or Path(path).name)
+        return cls.from_partition_set(pset, target=target, corpus=name, where=str(path))
+
+    @classmethod
+    def from_partition_set(
+        cls, pset: Any, *, target: int | None = None, corpus: str, where: str = "the partitions"
+    ) -> EvalData:
+        """The data of a loaded ``scpdr.data.PartitionSet``. ``target``: the partition whose
+        constituent (``constituent <target>``, the No CP model when 0) is attacked — default the
+        canaries' partition, else 0. Canary copies are left out of the training texts; LiRA's
+        members are the target partition's records, its non-members the validation records."""
+        from scpdr.data.canaries import load_wordlist, wordlist_hash
+
+        reg = pset.canaries
+        if target is None:
+            target = reg.partition if reg is not None else 0
+        if not 0 <= target < pset.k:
+            raise ConfigError(f"target partition {target} does not exist (k = {pset.k})")
+        canary_ids = {r.id for r in reg.records()} if reg is not None else set()
+        part = [r for r in pset.parts[target] if r.id not in canary_ids]
+        data = cls(
+            corpus=corpus,
+            train=[r.text for r in part],
+            validation=[r.text for r in pset.validation],
+            pii=cls.pii_records(part),
+            pii_val=cls.pii_records(pset.validation),
+            members=list(part),
+            nonmembers=list(pset.validation),
+            records=list(part),
+        )
+        if reg is not None:
+            words = load_wordlist()
+            if wordlist_hash(words) != reg.wordlist_sha256:
+                raise ConfigError(
+                    f"{where}: the canaries were drawn from another word list than the installed "
+                    "one; exposure needs the original list (re-create the partitions)"
+                )
+            data.canary_space = CanarySpace(tuple(words), n_words=reg.config.num_words)
+            data.canaries = [Canary(c.prompt, tuple(c.words), c.repetitions) for c in reg.canaries]
+        return data

@@ -1,0 +1,99 @@
+"""End-to-end experiments: one YAML config → cached, resumable stages → ``results.json`` → report.
+
+The pipeline of ``shared/DESIGN.md`` (layer 6)::
+
+    data → partitions (+ audit) → train constituents (+ reference / baseline models) → bundles
+         → attacks (one stage per corpus × method × attack) → bounds → report
+
+- :mod:`~scpdr.experiment.config` (+ :mod:`~scpdr.experiment.sections`): the pydantic schema,
+  :func:`load_config` / :func:`validate_config`; errors name the key path and the fix, e.g.
+  ``train.epochs: must be ≥ 1 (got 0)``.
+- :mod:`~scpdr.experiment.cache`: the content-addressed stage cache (hash = inputs + dependency
+  hashes + code version; marker written last; ``.partial`` dirs resume), the run lock.
+- :mod:`~scpdr.experiment.plan`: config → the stage graph (:func:`plan`), sweeps included.
+- :mod:`~scpdr.experiment.stages`, :mod:`~scpdr.experiment.stages_eval`: the stage bodies; every
+  attack stage runs the one evaluation pipeline of ``scpdr eval``
+  (:mod:`scpdr.attacks.evaluation`).
+- :mod:`~scpdr.experiment.run`: :func:`run_experiment`, the executor seam (:class:`Executor`,
+  :class:`LocalExecutor`), progress and publishing.
+
+Re-running skips finished stages; a changed setting changes the hashes of exactly the stages that
+depend on it, so only those re-run. Method names are the result-row names of :mod:`scpdr.methods`.
+"""
+
+from __future__ import annotations
+
+from scpdr.experiment.cache import (
+    MARKER,
+    STAGE_VERSIONS,
+    Stage,
+    StageCache,
+    StageContext,
+    StageOutcome,
+    code_version,
+    run_lock,
+)
+from scpdr.experiment.config import DEFAULT_METHODS, ExperimentConfig, load_config, validate_config
+from scpdr.experiment.plan import StageGraph, matches_stage, plan
+from scpdr.experiment.run import (
+    Executor,
+    ExperimentResult,
+    LocalExecutor,
+    StageJob,
+    StageRunner,
+    planned,
+    run_experiment,
+)
+from scpdr.experiment.sections import (
+    ATTACKS,
+    BUILTIN_CORPORA,
+    AttacksConfig,
+    BaselinesConfig,
+    BoundsConfig,
+    CanaryConfig,
+    CorpusConfig,
+    GoldfishConfig,
+    PartitionConfig,
+    ReferenceConfig,
+    ReportConfig,
+    SweepConfig,
+    TrainSection,
+)
+
+__all__ = [
+    "ATTACKS",
+    "BUILTIN_CORPORA",
+    "DEFAULT_METHODS",
+    "MARKER",
+    "STAGE_VERSIONS",
+    "AttacksConfig",
+    "BaselinesConfig",
+    "BoundsConfig",
+    "CanaryConfig",
+    "CorpusConfig",
+    "Executor",
+    "ExperimentConfig",
+    "ExperimentResult",
+    "GoldfishConfig",
+    "LocalExecutor",
+    "PartitionConfig",
+    "ReferenceConfig",
+    "ReportConfig",
+    "Stage",
+    "StageCache",
+    "StageContext",
+    "StageGraph",
+    "StageJob",
+    "StageOutcome",
+    "StageRunner",
+    "SweepConfig",
+    "TrainSection",
+    "code_version",
+    "load_config",
+    "matches_stage",
+    "plan",
+    "planned",
+    "run_experiment",
+    "run_lock",
+    "validate_config",
+]

@@ -1,0 +1,337 @@
+"""An experiment's config: the schema (:class:`ExperimentConfig`, assembled from the sections of
+:mod:`scpdr.experiment.sections`), :func:`validate_config` and :func:`load_config` (YAML, with
+``extends:`` and paths relative to the config file).
+
+``extra="forbid"`` everywhere: an unknown key or a bad value is a :class:`~scpdr.errors.ConfigError`
+naming the key path and the fix, e.g. ``train.epochs: must be ≥ 1 (got 0)``. Method names are
+result-row names of :mod:`scpdr.methods`; an alias ("scp-delta-r") is stored as its row
+("SCP-Δr-b").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from scpdr import methods as M
+from scpdr.errors import ConfigError
+from scpdr.experiment.sections import (
+    ATTACKS,
+    BUILTIN_CORPORA,
+    GOLDFISH,
+    REQUESTABLE_METHODS,
+    AttacksConfig,
+    BaselinesConfig,
+    BoundsConfig,
+    CorpusConfig,
+    PartitionConfig,
+    ReferenceConfig,
+    ReportConfig,
+    Section,
+    SweepConfig,
+    TrainSection,
+)
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "ExperimentConfig",
+    "get_dotted",
+    "load_config",
+    "validate_config",
+]
+
+DEFAULT_METHODS: tuple[str, ...] = M.MAIN_TABLE_METHODS
+"""The rows of the paper's main table (Table 3), in its order."""
+
+
+class ExperimentConfig(Section):
+    """The whole experiment; see ``configs/demo.yaml`` and ``docs/experiments.md``."""
+
+    name: str = Field("experiment", description="experiment name (report title)")
+    seed: int = Field(0, ge=0, description="seed for data, partitions and training")
+    base: str = Field(
+        "embedded",
+        description="base model: 'embedded' (SmolLM2-135M-Instruct), 'tiny' (random tiny model "
+        "for smoke runs) or an HF dir / .gguf path",
+    )
+    corpora: list[CorpusConfig] = Field(..., min_length=1, description="datasets")
+    partitions: PartitionConfig = Field(default_factory=PartitionConfig)
+    train: TrainSection = Field(default_factory=TrainSection)
+    references: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    baselines: BaselinesConfig = Field(default_factory=BaselinesConfig)
+    methods: list[str] = Field(default_factory=lambda: list(DEFAULT_METHODS))
+    m: int = Field(10, ge=1, description="smoothing parameter m of SCP-Δr (Alg. 1)")
+    attacks: AttacksConfig = Field(default_factory=AttacksConfig)
+    bounds: BoundsConfig = Field(default_factory=BoundsConfig)
+    sweeps: list[SweepConfig] = Field(default_factory=list, description="one-dimensional sweeps")
+    report: ReportConfig = Field(default_factory=ReportConfig)
+
+    @field_validator("methods")
+    @classmethod
+    def _methods(cls, v: list[str]) -> list[str]:
+        return _check_methods(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> ExperimentConfig:
+        names = [c.name for c in self.corpora]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"corpora: names must be unique, repeated: {dup}")
+        for i, c in enumerate(self.corpora):
+            if c.canaries is not None and c.canaries.partition >= self.partitions.k:
+                raise ValueError(
+                    f"corpora.{i}.canaries.partition: must be < partitions.k = "
+                    f"{self.partitions.k} (got {c.canaries.partition})"
+                )
+        if "cp-fuse" in self.methods and self.partitions.k != 2:
+            raise ValueError(
+                f"methods: cp-fuse fuses exactly 2 constituents, but partitions.k = "
+                f"{self.partitions.k}; drop cp-fuse or use k = 2"
+            )
+        if self.bounds.methods is not None:
+            self.bounds.methods = _check_methods(self.bounds.methods, where="bounds.methods")
+            if "cp-fuse" in self.bounds.methods:
+                raise ValueError(
+                    "bounds.methods: cp-fuse is stateful and has no per-position NAF bound; "
+                    "remove it"
+                )
+        if self.references.enabled is False:
+            lira = [c.name for c in self.corpora if "lira" in c.resolved_attacks]
+            if lira:
+                raise ValueError(
+                    f"references.enabled: false, but attack 'lira' (corpora {lira}) needs the "
+                    "reference model p0; enable it or drop 'lira' from the corpus attacks"
+                )
+        gen = self.attacks.generations
+        gen.methods = list(dict.fromkeys(M.canonical(m) for m in gen.methods))
+        bad = [m for m in gen.methods if m not in self.all_methods]
+        if bad:
+            raise ValueError(
+                f"attacks.generations.methods: {bad} are not among the evaluated methods "
+                f"{self.all_methods}"
+            )
+        for i, s in enumerate(self.sweeps):
+            if s.key.split(".")[0] in {"sweeps", "corpora", "name"}:
+                raise ValueError(f"sweeps.{i}.key: {s.key!r} cannot be swept")
+            try:
+                get_dotted(self.model_dump(), s.key)
+            except KeyError:
+                raise ValueError(
+                    f"sweeps.{i}.key: {s.key!r} is not a config key (use a dotted path such as "
+                    "'m' or 'train.epochs')"
+                ) from None
+            if s.methods is not None:
+                s.methods = _check_methods(s.methods, where=f"sweeps.{i}.methods")
+            if s.attacks is not None and any(a not in ATTACKS for a in s.attacks):
+                raise ValueError(f"sweeps.{i}.attacks: must be among {list(ATTACKS)}")
+        return self
+
+    # -- derived -------------------------------------------------------------------------
+
+    @property
+    def all_methods(self) -> list[str]:
+        """The evaluated methods: ``methods`` plus the training-time baselines."""
+        out = list(self.methods)
+        if self.baselines.goldfish is not None:
+            out.append(GOLDFISH)
+        return out
+
+    @property
+    def bound_methods(self) -> list[str]:
+        if self.bounds.methods is not None:
+            return list(self.bounds.methods)
+        # every NAF method with per-position bounds but No CP (whose k_x protects nothing)
+        return [m for m in self.methods if M.SPECS[m].bounded and m != "none"]
+
+    @property
+    def needs_reference(self) -> bool:
+        if self.references.enabled is not None:
+            return self.references.enabled
+        lira = any("lira" in c.resolved_attacks for c in self.corpora)
+        return lira or (self.bounds.enabled and self.bounds.v_x)
+
+    def with_value(self, key: str, value: Any) -> ExperimentConfig:
+        """A copy with the dotted ``key`` set to ``value`` (validated)."""
+        data = self.model_dump()
+        _set_dotted(data, key, value)
+        return validate_config(data)
+
+
+def _check_methods(v: Sequence[str], *, where: str | None = None) -> list[str]:
+    """Known, non-empty, unique method names (:data:`REQUESTABLE_METHODS`), aliases replaced by
+    their result row; ``where`` prefixes the message (model validators, whose errors carry no
+    key path of their own)."""
+    prefix = f"{where}: " if where else ""
+    known = list(REQUESTABLE_METHODS)
+    bad = [m for m in v if M.canonical(m) not in REQUESTABLE_METHODS]
+    if bad:
+        hint = ""
+        if any(M.canonical(m) in M.BASELINE_METHODS for m in bad):
+            hint = " (training-time baselines are switched on under `baselines:`)"
+        raise ValueError(f"{prefix}unknown method(s) {bad}{hint}; known: {known}")
+    if not v:
+        raise ValueError(f"{prefix}must list at least one method")
+    rows = [M.canonical(m) for m in v]
+    if len(set(rows)) != len(rows):
+        raise ValueError(
+            f"{prefix}methods repeated: {sorted({m for m in rows if rows.count(m) > 1})}"
+        )
+    return rows
+
+
+def get_dotted(data: Mapping[str, Any], key: str) -> Any:
+    cur: Any = data
+    for part in key.split("."):
+        if isinstance(cur, Mapping) and part in cur:
+            cur = cur[part]
+        elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
+            cur = cur[int(part)]
+        else:
+            raise KeyError(key)
+    return cur
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    cur: Any = data
+    for part in parts[:-1]:
+        cur = cur[int(part)] if isinstance(cur, list) else cur.setdefault(part, {})
+    last = parts[-1]
+    if isinstance(cur, list):
+        cur[int(last)] = value
+    else:
+        cur[last] = value
+
+
+_ERROR_TEMPLATES: dict[str, str] = {
+    "greater_than_equal": "must be ≥ {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be ≤ {le}",
+    "less_than": "must be < {lt}",
+    "missing": "is required",
+    "extra_forbidden": "unknown key",
+    "too_short": "must have at least {min_length} item(s)",
+    "int_parsing": "must be an integer",
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping",
+    "model_type": "must be a mapping",
+    "literal_error": "must be one of {expected}",
+}
+
+
+def _format_loc(loc: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def _format_validation_error(exc: ValidationError, *, source: str | None) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = _format_loc(err["loc"])
+        kind = err["type"]
+        ctx = err.get("ctx") or {}
+        if kind in _ERROR_TEMPLATES:
+            msg = _ERROR_TEMPLATES[kind].format(**{k: v for k, v in ctx.items()})
+        else:
+            msg = str(err["msg"]).removeprefix("Value error, ")
+        if kind not in ("missing", "extra_forbidden", "model_type"):
+            got = err.get("input")
+            if not isinstance(got, (dict, list)):
+                msg += f" (got {got!r})"
+        if kind == "extra_forbidden":
+            msg += "; remove it or fix its spelling (see docs/experiments.md for the keys)"
+        # Errors raised by model validators carry their own key path in the message.
+        if re.match(r"^[\w.]+: ", msg) and loc == "(top level)":
+            lines.append(msg)
+        else:
+            lines.append(f"{loc}: {msg}")
+    where = f" in {source}" if source else ""
+    return f"invalid experiment config{where}:\n  " + "\n  ".join(lines)
+
+
+def validate_config(data: Mapping[str, Any], *, source: str | None = None) -> ExperimentConfig:
+    """Validate a config mapping; raises :class:`ConfigError` listing every problem by key path."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"invalid experiment config{f' in {source}' if source else ''}: the top level must "
+            f"be a mapping of keys, got {type(data).__name__}"
+        )
+    try:
+        return ExperimentConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source=source)) from None
+
+
+def load_config(path: str | os.PathLike[str], *, _depth: int = 0) -> ExperimentConfig:
+    """Read and validate a YAML config. Relative paths (corpus sources, base model) resolve
+    against the config's dir; ``extends: OTHER.yaml`` starts from another config and overrides
+    it key by key (mappings merge, lists replace)."""
+    import yaml
+
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"config {path} is a directory; a YAML config file is expected (e.g. configs/demo.yaml)"
+        )
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        raise ConfigError(f"{path}: the config is empty; see configs/demo.yaml for an example")
+    if isinstance(data, Mapping):
+        data = _resolve_paths(dict(data), path.parent)
+        parent = data.pop("extends", None)
+        if parent is not None:
+            if not isinstance(parent, str):
+                raise ConfigError(f"{path}: extends: must be a path to another config")
+            if _depth > 8:
+                raise ConfigError(f"{path}: extends: chain too deep (a cycle?)")
+            base = load_config(path.parent / parent, _depth=_depth + 1)
+            data = _deep_merge(base.model_dump(mode="json"), data)
+    return validate_config(data, source=str(path))
+
+
+def _deep_merge(base: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """``patch`` over ``base``: mappings merge key by key, everything else (lists too) replaces."""
+    out = dict(base)
+    for key, value in patch.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_paths(data: dict[str, Any], root: Path) -> dict[str, Any]:
+    corpora = data.get("corpora")
+    if isinstance(corpora, list):
+        for c in corpora:
+            if isinstance(c, dict):
+                src = c.get("source") or c.get("name")
+                if isinstance(src, str) and src not in BUILTIN_CORPORA:
+                    p = Path(src).expanduser()
+                    if not p.is_absolute():
+                        c["source"] = str((root / p).resolve())
+    base = data.get("base")
+    if isinstance(base, str) and base not in ("embedded", "tiny"):
+        p = Path(base).expanduser()
+        if not p.is_absolute() and (root / p).exists():
+            data["base"] = str((root / p).resolve())
+    return data

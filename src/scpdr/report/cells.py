@@ -1,0 +1,182 @@
+"""The report's table model and ranking: a :class:`Table` of :class:`Cell` s under
+:class:`Column` s, the paper's number format (:func:`format_value`) and the best / second-best
+marks of every column (:func:`rank_marks`; bold and underlined in the paper's tables).
+
+A table is plain data; :mod:`scpdr.report.formats` renders it as Markdown, HTML or a rich table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from scpdr import methods as M
+
+__all__ = [
+    "Cell",
+    "Column",
+    "Mark",
+    "Table",
+    "format_value",
+    "marked_cells",
+    "methods_table",
+    "rank_marks",
+]
+
+Mark = Literal["best", "second"] | None
+
+
+@dataclass
+class Column:
+    """One column: a group (attack), a sub-header (corpus) and a label (metric), the direction in
+    which values are better, and what it reads from the rows."""
+
+    group: str
+    sub: str  # corpus label ("" for the NAS column)
+    label: str
+    direction: Literal["down", "up"]
+    attack: str | None = None
+    metrics: tuple[str, ...] = ()
+    corpus: str | None = None
+    weight: float = 0.0  # NAS weight (0: not an attack column)
+
+    @property
+    def header(self) -> str:
+        arrow = "↓" if self.direction == "down" else "↑"
+        parts = [f"{self.group} {arrow}"]
+        if self.sub:
+            parts.append(self.sub)
+        if self.label:
+            parts.append(self.label)
+        return " · ".join(parts)
+
+
+@dataclass
+class Cell:
+    value: float | None
+    text: str
+    mark: Mark = None
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[Column]
+    row_labels: list[str]
+    row_keys: list[str]
+    cells: list[list[Cell]]
+    separator_before: int | None = None  # index of the first reference row (midrule)
+    notes: list[str] = field(default_factory=list)
+    corner: str = ""
+
+    def value(self, row_key: str, column_index: int) -> float | None:
+        return self.cells[self.row_keys.index(row_key)][column_index].value
+
+    def marks(self, row_key: str) -> list[Mark]:
+        return [c.mark for c in self.cells[self.row_keys.index(row_key)]]
+
+
+def format_value(value: float | None) -> str:
+    """The paper's style: ``.47`` below 1 (``.002`` below .01, ``<.001`` below .001), ``8.8``
+    from 1 to 10, ``28`` from 10 on; ``-`` for missing."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    v = float(value)
+    if math.isinf(v):
+        return "∞" if v > 0 else "-∞"
+    if v == 0:
+        return "0"
+    a = abs(v)
+    sign = "-" if v < 0 else ""
+    if a < 1e-3:
+        return f"{sign}<.001"
+    if a < 0.01:
+        s = f"{a:.3f}"
+    elif a < 1:
+        s = f"{a:.2f}"
+    elif a < 10:
+        s = f"{a:.1f}"
+    else:
+        s = f"{a:.0f}"
+    if s.startswith("0."):
+        s = s[1:]
+    if s == "1.00":  # .995 ≤ a < 1 rounds up
+        s = "1.0"
+    return sign + s
+
+
+def _rank_key(value: float) -> float:
+    """Values equal at the displayed precision tie."""
+    text = format_value(value).replace("<.001", "0").replace("∞", "inf")
+    try:
+        return float(text)
+    except ValueError:
+        return value
+
+
+def rank_marks(values: Sequence[float | None], direction: Literal["down", "up"]) -> list[Mark]:
+    """'best' for every value equal (at display precision) to the best, 'second' for the next
+    distinct value; None/NaN values are not ranked."""
+    keyed = [
+        (_rank_key(v) if direction == "down" else -_rank_key(v))
+        if v is not None and not math.isnan(v)
+        else None
+        for v in values
+    ]
+    distinct = sorted({k for k in keyed if k is not None})
+    if sum(k is not None for k in keyed) < 2:
+        return [None] * len(values)
+    best = distinct[0] if distinct else None
+    second = distinct[1] if len(distinct) > 1 else None
+    out: list[Mark] = []
+    for k in keyed:
+        if k is None:
+            out.append(None)
+        elif k == best:
+            out.append("best")
+        elif k == second:
+            out.append("second")
+        else:
+            out.append(None)
+    return out
+
+
+def marked_cells(
+    values: Mapping[str, Sequence[float | None]],
+    methods: Sequence[str],
+    columns: Sequence[Column],
+) -> list[list[Cell]]:
+    """One row of cells per method of ``methods`` (``values[m][j]``: method m, column j); in each
+    column the best value among ``methods`` is marked "best" and the next "second"
+    (:func:`rank_marks`, in the column's direction)."""
+    marks: dict[str, list[Mark]] = {m: [None] * len(columns) for m in methods}
+    for j, col in enumerate(columns):
+        col_marks = rank_marks([values[m][j] for m in methods], col.direction)
+        for m, mk in zip(methods, col_marks, strict=True):
+            marks[m][j] = mk
+    return [
+        [Cell(v, format_value(v), mk) for v, mk in zip(values[m], marks[m], strict=True)]
+        for m in methods
+    ]
+
+
+def methods_table(
+    title: str,
+    columns: list[Column],
+    values: Mapping[str, Sequence[float | None]],
+    methods: Sequence[str],
+    notes: list[str],
+) -> Table:
+    """A table of one row per method of ``methods`` that has any value, in that order, with the
+    best and second value of each column marked (:func:`marked_cells`)."""
+    methods = [m for m in methods if any(v is not None for v in values[m])]
+    return Table(
+        title=title,
+        columns=columns,
+        row_labels=[M.label(m) for m in methods],
+        row_keys=methods,
+        cells=marked_cells(values, methods, columns),
+        notes=notes,
+    )
