@@ -122,8 +122,7 @@ def train(
 
     base_ref: str = base
     if base == "tiny":
-        # TODO(redesign): the tiny builders move out of scpdr.testing into the library
-        from scpdr.testing import tiny_model, tiny_tokenizer
+        from scpdr.tiny import tiny_model, tiny_tokenizer
 
         tiny_dir = out / "base"
         if not (tiny_dir / "config.json").is_file():
