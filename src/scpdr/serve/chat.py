@@ -30,8 +30,9 @@ __all__ = ["ChatEndpoint", "chat_prompt"]
 
 
 def chat_prompt(state: ServingState, messages: Sequence[ChatMessage], *, gen: bool) -> str:
-    """The tokenizer's chat template of ``messages`` (``gen``: with the generation prompt), the
-    same template ``scpdr train`` applies to chat records; "developer" is sent as "system"."""
+    """The tokenizer's chat template of ``messages`` (``gen``: with the generation prompt);
+    "developer" is sent as "system". What is served matches what was learned only when the
+    constituents were trained on chat records with this same template."""
     if not getattr(state.tokenizer, "chat_template", None):
         raise APIError(
             "this model's tokenizer has no chat template; use /v1/completions",
