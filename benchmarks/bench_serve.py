@@ -97,8 +97,9 @@ def _round(lm: Any, *, max_batch: int, requests: int, max_tokens: int) -> dict[s
 
     from scpdr.serve import Engine, ServeConfig, create_app, serve_in_background
 
-    engine = Engine(lm, max_batch=max_batch, max_queue=4 * CLIENTS)
-    app = create_app(engine, ServeConfig(model_name="bench"))
+    config = ServeConfig(model_name="bench", max_batch=max_batch, max_queue=4 * CLIENTS)
+    engine = Engine.from_config(lm, config)
+    app = create_app(engine, config)
     with serve_in_background(app) as url:
         # one warm-up request (first-call allocations) outside the timing
         httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=600)
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.quick:
             lm, model = _tiny_lm(Path(tmp)), "tiny"
         else:
-            lm, model = _embedded_lm(), "SmolLM2-135M (scp-delta-r-b, K=2)"
+            lm = _embedded_lm()
+            model = f"SmolLM2-135M ({lm.name}, K={lm.num_constituents})"
         logger.info("model ready in %.1fs: %s", time.perf_counter() - t0, lm)
 
         configs = {"batched": args.max_batch, "sequential": 1}

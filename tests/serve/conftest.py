@@ -53,10 +53,10 @@ def start_server(serve_lm: Any) -> Callable[..., contextlib.AbstractContextManag
         **config: Any,
     ) -> Iterator[str]:
         config.setdefault("model_name", MODEL)
-        engine = Engine(
-            serve_lm, max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait_s
+        settings = ServeConfig(
+            max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait_s, **config
         )
-        app = create_app(engine, ServeConfig(**config))
+        app = create_app(Engine.from_config(serve_lm, settings), settings)
         with serve_in_background(app) as url:
             yield url
 

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from scpdr.serve.config import ServeConfig
 from scpdr.serve.engine import (
     Engine,
     EngineOverloadedError,
@@ -13,9 +14,9 @@ from scpdr.serve.engine import (
     Failed,
     Finished,
     PromptLogprobs,
-    SamplingParams,
     TokenOutput,
 )
+from scpdr.serve.sampling import SamplingParams
 
 PROMPTS = ["The weather explains", "My friend asks about the meeting", "A small cat"]
 
@@ -36,12 +37,15 @@ def test_one_batch_honours_each_sequences_parameters(serve_lm):
     engine = Engine(serve_lm, max_batch=8, batch_wait_s=0.0).start()
     try:
         seqs = [
-            (_ids(serve_lm, PROMPTS[0]), SamplingParams(max_tokens=5)),
-            (_ids(serve_lm, PROMPTS[1]), SamplingParams(max_tokens=3, temperature=1.0, seed=11)),
-            (_ids(serve_lm, PROMPTS[2]), SamplingParams(max_tokens=4, logprobs=2)),
+            (_ids(serve_lm, PROMPTS[0]), SamplingParams(max_new_tokens=5)),
+            (
+                _ids(serve_lm, PROMPTS[1]),
+                SamplingParams(max_new_tokens=3, temperature=1.0, seed=11),
+            ),
+            (_ids(serve_lm, PROMPTS[2]), SamplingParams(max_new_tokens=4, logprobs=2)),
             (
                 _ids(serve_lm, PROMPTS[0]),
-                SamplingParams(max_tokens=0, logprobs=1, echo_logprobs=True),
+                SamplingParams(max_new_tokens=0, logprobs=1, echo=True),
             ),
         ]
         out = asyncio.run(_run(engine, seqs))
@@ -71,7 +75,7 @@ def test_one_batch_honours_each_sequences_parameters(serve_lm):
 
 def test_queue_bound_and_lifecycle(serve_lm):
     engine = Engine(serve_lm, max_batch=1, max_queue=2)
-    seq = (_ids(serve_lm, "Hello"), SamplingParams(max_tokens=1))
+    seq = (_ids(serve_lm, "Hello"), SamplingParams(max_new_tokens=1))
 
     async def submit(n):
         return engine.submit([seq] * n)
@@ -93,7 +97,7 @@ def test_queue_bound_and_lifecycle(serve_lm):
 
 def test_stop_finishes_the_running_batch_and_fails_waiting_sequences(serve_lm):
     engine = Engine(serve_lm, max_batch=1, max_queue=8, batch_wait_s=0.0).start()
-    long = (_ids(serve_lm, "Hi"), SamplingParams(max_tokens=40))
+    long = (_ids(serve_lm, "Hi"), SamplingParams(max_new_tokens=40))
 
     async def go():
         running = engine.submit([long]).events()
@@ -111,17 +115,40 @@ def test_stop_finishes_the_running_batch_and_fails_waiting_sequences(serve_lm):
 
 
 @pytest.mark.parametrize(
-    "kw",
+    ("kw", "field"),
     [
-        {"max_tokens": -1},
-        {"max_tokens": 1, "temperature": -1.0},
-        {"max_tokens": 1, "top_p": 0.0},
-        {"max_tokens": 1, "logprobs": -2},
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"max_new_tokens": 1.5}, "max_new_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"stop": ["x"]}, "stop"),
+        ({"seed": True}, "seed"),
+        ({"logprobs": -2}, "logprobs"),
     ],
 )
-def test_sampling_params_are_validated(kw):
-    with pytest.raises(ValueError):
+def test_sampling_params_are_validated(kw, field):
+    with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
+
+
+def test_echo_without_logprobs_does_not_score_the_prompt(serve_lm):
+    engine = Engine(serve_lm, batch_wait_s=0.0).start()
+    try:
+        params = SamplingParams(max_new_tokens=0, echo=True)  # echo of the text alone
+        out = asyncio.run(_run(engine, [(_ids(serve_lm, PROMPTS[0]), params)]))
+    finally:
+        engine.stop()
+    assert [type(e) for e in out[0]] == [Finished]
+
+
+def test_engine_from_config_takes_the_batching_settings(serve_lm):
+    config = ServeConfig(max_batch=3, max_queue=5, batch_wait_s=0.25, score_chunk_tokens=64)
+    engine = Engine.from_config(serve_lm, config)
+    assert (engine.max_batch, engine.max_queue) == (3, 5)
+    assert (engine.batch_wait_s, engine.score_chunk_tokens) == (0.25, 64)
 
 
 def test_engine_arguments_are_validated(serve_lm):

@@ -253,3 +253,26 @@ def test_model_failure_is_500_or_an_sse_error_event(serve_lm, after):
         chat = http.post(CH, json={"messages": MSG, "max_tokens": 4, "stream": True})
         assert _sse_events(chat)[-1] == "[DONE]" and "error" in _sse_events(chat)[-2]
         assert http.get("/health").json()["status"] == "ok"  # the engine survives
+
+
+# ---- request ids and the client fingerprint ------------------------------------------------------
+
+
+def test_every_response_carries_a_request_id(http):
+    mine = http.post(C, json=OK, headers={**AUTH, "X-Request-Id": "trace-42"})
+    assert mine.status_code == 200 and mine.headers["x-request-id"] == "trace-42"
+    denied = http.post(C, json=OK)  # rejected by the API key: still identified
+    ids = {denied.headers["x-request-id"], http.get("/health").headers["x-request-id"]}
+    assert len(ids) == 2 and all(len(i) == 32 for i in ids)  # fresh uuid4 hex each
+    odd = http.get("/health", headers={"X-Request-Id": "a b\tc"})  # unusable: replaced
+    assert odd.headers["x-request-id"] != "a b\tc"
+    streamed = http.post(C, json={**OK, "stream": True}, headers={**AUTH, "X-Request-Id": "s-1"})
+    assert streamed.headers["x-request-id"] == "s-1"
+
+
+def test_client_fingerprint_names_a_key_without_revealing_it():
+    from scpdr.serve.middleware import key_fingerprint
+
+    fp = key_fingerprint(KEY.encode())
+    assert fp == key_fingerprint(KEY.encode()) != key_fingerprint(b"other")
+    assert KEY not in fp and len(fp) == 16

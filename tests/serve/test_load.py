@@ -105,3 +105,18 @@ def test_full_queue_answers_429(start_server, model_id):
             "code",
         }
         assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_small_responses_are_not_held_back_by_delayed_acks(base_url):
+    """The listening socket is TCP (so asyncio sets TCP_NODELAY on each connection): otherwise a
+    response written as head + body waits ~40 ms for the client's delayed ACK, every time."""
+    import time
+
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        http.get("/health")
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            times.append(time.perf_counter() - t0)
+    assert min(times) < 0.02, f"fastest /health took {min(times) * 1e3:.1f} ms"

@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scpdr import methods
+
+#: The served bundle runs SCP-Δr with its base model: the 'b' variant's result-row name.
+SCP_B = methods.resolve("scp-delta-r")
+
 PROMPT = "The weather explains the results"
 
 
@@ -33,8 +38,8 @@ def _naf(choice) -> dict:
 def test_models_lists_the_served_model(client, model_id, serve_lm):
     models = client.models.list().data
     assert [m.id for m in models] == [model_id]
-    assert models[0].model_extra["naf"]["method"] == serve_lm.method == "scp-delta-r"
-    assert models[0].model_extra["naf"]["name"] == "scp-delta-r-b"
+    assert models[0].model_extra["naf"]["method"] == serve_lm.method == SCP_B.rule
+    assert models[0].model_extra["naf"]["name"] == SCP_B.name
     assert client.models.retrieve(model_id).id == model_id
 
 
@@ -62,7 +67,7 @@ def test_greedy_completion_equals_protected_lm(client, model_id, serve_lm):
         best = max(v for _, v in ref_top)
         assert max(top.values()) == pytest.approx(best, abs=1e-5)
     naf = _naf(choice)
-    assert naf["method"] == "scp-delta-r" and naf["m"] == 10 and naf["name"] == "scp-delta-r-b"
+    assert naf["method"] == SCP_B.rule and naf["m"] == 10 and naf["name"] == SCP_B.name
     assert naf["k_x"] == pytest.approx(ref.k_x, abs=1e-6)
     assert naf["t_x"] == pytest.approx(ref.t_x, abs=1e-6)
     assert naf["max_k_x"] == pytest.approx(max(ref.k_x), abs=1e-6)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,15 +13,36 @@ import sys
 import time
 
 import httpx
+import pytest
 
+from scpdr import methods
 from scpdr.cli import main
+from scpdr.serve.config import ServeConfig, option_spec
 
 
-def test_serve_help(capsys):
+def test_serve_help_lists_an_option_per_config_field(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
-    for option in ("--method", "--m", "--base", "--port", "--api-key", "--max-batch"):
-        assert option in out
+    for f in dataclasses.fields(ServeConfig):
+        option, _ = option_spec(f.name)
+        assert option in out, f"ServeConfig.{f.name} has no option {option} in `scpdr serve`"
+
+
+def test_serve_options_map_onto_the_config():
+    """Each parameter of the command is one ServeConfig field, with the field's default."""
+    from scpdr.commands.serve import serve
+
+    params = inspect.signature(serve).parameters
+    options = {
+        decl: p.default
+        for p in params.values()
+        if p.name != "bundle"
+        for decl in p.default.param_decls
+    }
+    fields = {option_spec(f.name)[0]: f for f in dataclasses.fields(ServeConfig)}
+    assert set(options) == set(fields)
+    for decl, opt in options.items():
+        assert opt.default == fields[decl].default, decl
 
 
 def test_serve_rejects_bad_arguments(tmp_path, capsys):
@@ -26,6 +50,32 @@ def test_serve_rejects_bad_arguments(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--base", "nope"]) == 2
     assert "--base" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_reported_before_any_model_loads(serve_bundle, tmp_path, capsys):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(serve_bundle, bundle)
+    for weights in bundle.glob("constituent-0/*.safetensors"):
+        weights.write_bytes(b"not weights")  # loading the models would fail differently
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(bundle), "--port", str(port), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--port" in err and "in use" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is available here")
+def test_device_cuda_without_cuda_is_a_clear_error(serve_bundle, capsys):
+    assert main(["serve", str(serve_bundle), "--device", "cuda"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+def test_bad_device_is_rejected(serve_bundle, capsys):
+    assert main(["serve", str(serve_bundle), "--device", "tpu"]) == 2
+    assert "--device" in capsys.readouterr().err
 
 
 def _free_port() -> int:
@@ -52,6 +102,8 @@ def test_serve_process_answers_completions(serve_bundle):
         "constant",
         "--log-level",
         "warning",
+        "--device",
+        "cpu",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
@@ -72,7 +124,10 @@ def test_serve_process_answers_completions(serve_bundle):
         headers = {"Authorization": "Bearer k"}
         models = httpx.get(url + "/v1/models", headers=headers).json()["data"]
         assert models[0]["id"] == serve_bundle.name
-        assert models[0]["naf"]["name"] == "scp-delta-r-c"  # --base constant: the 'c' variant
+        c_variant = next(
+            s for s in methods.SPECS.values() if s.rule == "scp-delta-r" and s.base == "constant"
+        )
+        assert models[0]["naf"]["name"] == c_variant.name  # --base constant: the 'c' variant
         body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
         out = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60).json()
         assert len(out["choices"][0]["naf"]["k_x"]) == out["usage"]["completion_tokens"] == 3

@@ -11,8 +11,8 @@ requests therefore share model steps; a request that arrives while a batch runs 
 next one (static batches, no preemption: simple and correct).
 
 Only aggregate quantities leave the worker: the aggregate log-probs log r(y|x), its top-k
-alternatives, and the certificate values k_x (Definition 2.1 with Theorems 2.1/2.2) and t_x
-(Theorem 4.1). Constituent distributions are never requested from the model here.
+alternatives, and the certificate values k_x (Definition 2.1 with Theorems 2.3/2.7) and t_x
+(Theorem 4.4). Constituent distributions are never requested from the model here.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scpdr.errors import ScpdrError
+from scpdr.serve.config import ServeConfig
+from scpdr.serve.sampling import SamplingParams
 
 __all__ = [
     "Engine",
@@ -38,7 +40,6 @@ __all__ = [
     "Finished",
     "PromptLogprobs",
     "RequestStream",
-    "SamplingParams",
     "TokenOutput",
 ]
 
@@ -55,36 +56,6 @@ class EngineOverloadedError(EngineError):
 
 class EngineStoppedError(EngineError):
     """The engine is not running (not started, or shutting down)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to decode one sequence (one prompt, one choice).
-
-    ``logprobs``: ``None`` = no log-probs; ``k >= 0`` = the chosen token's log-prob plus the ``k``
-    most likely alternatives at every served position. ``echo_logprobs`` also scores the prompt
-    (position i > 0 gets log r(prompt[i] | prompt[:i])).
-    """
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    logprobs: int | None = None
-    echo_logprobs: bool = False
-    stop_at_eos: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 
 
 # ---- events pushed to a request's queue: (sequence index within the request, event) ----------
@@ -107,7 +78,7 @@ class PromptLogprobs:
 @dataclass(frozen=True)
 class TokenOutput:
     """One generated token: its text delta, its log-prob under the aggregate, alternatives, and the
-    certificate of the distribution it was drawn from (k_x: Def. 2.1; t_x: Theorem 4.1)."""
+    certificate of the distribution it was drawn from (k_x: Def. 2.1; t_x: Theorem 4.4)."""
 
     token_id: int
     text: str
@@ -227,6 +198,17 @@ class Engine:
         self.batches_run = 0
         self.sequences_run = 0
         self.largest_batch = 0
+
+    @classmethod
+    def from_config(cls, lm: Any, config: ServeConfig) -> Engine:
+        """The engine of ``lm`` with the batching settings of ``config``."""
+        return cls(
+            lm,
+            max_batch=config.max_batch,
+            max_queue=config.max_queue,
+            batch_wait_s=config.batch_wait_s,
+            score_chunk_tokens=config.score_chunk_tokens,
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -348,12 +330,12 @@ class Engine:
         logger.info("engine worker stopped")
 
     def _execute(self, batch: list[_Sequence]) -> None:
-        echo = [s for s in batch if s.params.echo_logprobs]
+        echo = [s for s in batch if s.params.echo and s.params.logprobs is not None]
         if echo:
             self._score_prompts(echo)
-        gen = [s for s in batch if s.params.max_tokens > 0]
+        gen = [s for s in batch if s.params.max_new_tokens > 0]
         for s in batch:
-            if s.params.max_tokens == 0:
+            if s.params.max_new_tokens == 0:
                 s.push(Finished("length"))
         if gen:
             self._generate(gen)
@@ -427,7 +409,7 @@ class Engine:
         ks = [p.logprobs or 0 for p in params]
         it = self.lm.generate_stream(
             [s.prompt_ids for s in seqs],
-            max_new_tokens=[p.max_tokens for p in params],
+            max_new_tokens=[p.max_new_tokens for p in params],
             temperature=[p.temperature for p in params],
             top_p=[p.top_p for p in params],
             top_k=[p.top_k for p in params],

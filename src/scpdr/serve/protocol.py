@@ -2,22 +2,21 @@
 ``entrypoints/openai/protocol.py``).
 
 Requests are validated here, before anything reaches the model: a malformed request becomes a
-400 with the OpenAI error shape (see :mod:`scpdr.serve.app`), never a 500. Everything a response
-can carry is the *aggregate* distribution r(·|x) of the protected model (the paper's black-box
-threat model, Definition 4.1 of ``shared/paper/scp_dr.tex``); no field exists for a constituent's
-distribution.
+400 with the OpenAI error shape (:mod:`scpdr.serve.errors`), never a 500. A request's
+``to_sampling_params`` builds the :class:`~scpdr.serve.sampling.SamplingParams` of each of its
+sequences. Everything a response can carry is the *aggregate* distribution r(·|x) of the protected
+model (the paper's black-box TDE game, Definition 4.2 of ``shared/paper/scp_dr.tex``); no field
+exists for a constituent's distribution.
 
 Each response choice carries the extension object ``naf`` (:class:`NafCertificate`): the NAF bound
-``k_x`` of every served token (Definition 2.1; Theorems 2.1/2.2, SCP-Δr via Algorithm 1) and the
-LiRA bound ``t_x`` (Theorem 4.1), with their maxima — the certificate of that response.
+``k_x`` of every served token (Definition 2.1; Theorems 2.3/2.7, SCP-Δr via Algorithm 1) and the
+per-token LiRA bound ``t_x`` (Theorem 4.4), with their maxima over the choice. The maxima bound
+each token on its own, not the response: a response's likelihood ratio is the product of its
+tokens' (the accountant of issue 16 will certify whole responses).
 """
 
 from __future__ import annotations
 
-import math
-import time
-import uuid
-from collections.abc import Sequence
 from typing import Any, Literal, Union
 
 from pydantic import (
@@ -31,8 +30,9 @@ from pydantic import (
     model_validator,
 )
 
+from scpdr.serve.sampling import SamplingParams
+
 __all__ = [
-    "LOGPROB_FLOOR",
     "MAX_LOGPROBS",
     "MAX_N",
     "ChatCompletionChunk",
@@ -51,12 +51,9 @@ __all__ = [
     "NafCertificate",
     "TokenizeRequest",
     "Usage",
-    "finite_or_none",
-    "logprob_value",
+    "seed_for",
 ]
 
-#: JSON cannot carry -inf; like OpenAI and vLLM, an impossible token's log-prob is sent as -9999.0.
-LOGPROB_FLOOR = -9999.0
 #: Most alternatives per position (OpenAI's limit for ``logprobs`` / ``top_logprobs``).
 MAX_LOGPROBS = 20
 #: Most choices per prompt.
@@ -65,28 +62,11 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
 
-def logprob_value(x: float) -> float:
-    """A log-prob as JSON can carry it: -inf (and NaN) → :data:`LOGPROB_FLOOR`, others clamped."""
-    x = float(x)
-    if math.isnan(x) or x < LOGPROB_FLOOR:
-        return LOGPROB_FLOOR
-    return min(x, 0.0)
-
-
-def finite_or_none(x: float | None) -> float | None:
-    """A bound as JSON can carry it: ``None`` when there is no finite bound (+inf or NaN)."""
-    if x is None:
+def seed_for(seed: int | None, choice: int) -> int | None:
+    """Choice ``j`` of a prompt samples with ``seed + j`` (wrapped into int64)."""
+    if seed is None:
         return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
+    return (seed + choice - _INT64_MIN) % 2**64 + _INT64_MIN
 
 
 class _Request(BaseModel):
@@ -158,14 +138,21 @@ class _SamplingFields(_Request):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return [s for s in stops if s]
 
-    def effective_temperature(self) -> float:
-        return 1.0 if self.temperature is None else float(self.temperature)
-
-    def effective_top_p(self) -> float:
-        return 1.0 if self.top_p is None else float(self.top_p)
-
-    def effective_top_k(self) -> int:
-        return 0 if self.top_k is None or self.top_k < 0 else int(self.top_k)
+    def _sampling_params(
+        self, *, max_new_tokens: int, choice: int, logprobs: int | None, echo: bool
+    ) -> SamplingParams:
+        """Choice ``choice``'s sampling parameters, with OpenAI's defaults filled in
+        (temperature 1, top_p 1, top_k off) and its seed ``seed + choice``."""
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None or self.top_k < 0 else int(self.top_k),
+            stop=tuple(self.stop_list()),
+            seed=seed_for(self.seed, choice),
+            logprobs=logprobs,
+            echo=echo,
+        )
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -181,86 +168,30 @@ class NafCertificate(_Response):
     """The NAF certificate of one choice (the ``naf`` extension object).
 
     ``k_x[i]`` is the bound of Definition 2.1 for the distribution the i-th completion token was
-    drawn from, under the divergence of the method's theorem (Theorem 2.1: max-divergence for
-    CP-Δ; Theorem 2.2: relative max-divergence for CP-Δr, and for SCP-Δr on the smoothed RPDs,
-    Algorithm 1). ``t_x[i]`` is the LiRA bound of Theorem 4.1, log r(y|x)/q̃(y|x) ≤ t_x for every
+    drawn from, under the divergence of the method's theorem (Theorem 2.3: max-divergence for
+    CP-Δ; Theorem 2.7: relative max-divergence for CP-Δr, and for SCP-Δr on the smoothed RPDs,
+    Algorithm 1). ``t_x[i]`` is the LiRA bound of Theorem 4.4, log r(y|x)/q̃(y|x) ≤ t_x for every
     constituent. ``null`` means there is no finite bound (e.g. method "none" on one model).
     With ``echo`` and logprobs, ``prompt_k_x``/``prompt_t_x`` certify the served prompt positions
     too (entry 0 is null, like ``token_logprobs``), and the maxima cover them.
     """
 
-    method: str = Field(description="Aggregation rule, e.g. 'scp-delta-r'.")
+    method: str = Field(description="Aggregation rule (scpdr.methods.RULES).")
     m: int | None = Field(description="Smoothing parameter m of SCP methods, else null.")
-    name: str = Field(description="Result-row name of the variant, e.g. 'scp-delta-r-b'.")
+    name: str = Field(description="Result-row name of the variant (scpdr.methods.SPECS).")
     k_x: list[float | None] = Field(description="Per completion token NAF bound.")
-    t_x: list[float | None] = Field(description="Per completion token LiRA bound (Thm 4.1).")
+    t_x: list[float | None] = Field(description="Per completion token LiRA bound (Thm 4.4).")
     max_k_x: float | None = Field(description="Max of k_x (and prompt_k_x); null if none/infinite.")
-    max_t_x: float | None = Field(description="Max of t_x; null if none/infinite.")
+    max_t_x: float | None = Field(
+        description="Max per-token t_x (and prompt_t_x), not a bound on the whole response; "
+        "null if none/infinite."
+    )
     prompt_k_x: list[float | None] | None = Field(
         None, description="With echo + logprobs: k_x at each served prompt position."
     )
     prompt_t_x: list[float | None] | None = Field(
         None, description="With echo + logprobs: t_x at each served prompt position."
     )
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        method: str,
-        m: int | None,
-        name: str,
-        k_x: Sequence[float | None],
-        t_x: Sequence[float | None],
-        prompt_k_x: Sequence[float | None] | None = None,
-        prompt_t_x: Sequence[float | None] | None = None,
-        listed: slice | None = None,
-        list_prompt: bool = True,
-    ) -> NafCertificate:
-        """The certificate of tokens ``k_x``/``t_x`` (and served prompt positions).
-
-        ``listed`` (streaming) lists only those tokens' values (and ``list_prompt=False`` omits
-        the prompt lists) while the maxima still cover all of them: the chunks' lists concatenate
-        to the full choice's, and each chunk's maxima are the running maxima.
-        """
-        shown = listed or slice(None)
-        return cls(
-            method=method,
-            m=m,
-            name=name,
-            k_x=[finite_or_none(v) for v in k_x[shown]],
-            t_x=[finite_or_none(v) for v in t_x[shown]],
-            max_k_x=_max_bound(_served(k_x, prompt_k_x)),
-            max_t_x=_max_bound(_served(t_x, prompt_t_x)),
-            prompt_k_x=_listed(prompt_k_x, list_prompt),
-            prompt_t_x=_listed(prompt_t_x, list_prompt),
-        )
-
-
-def _listed(values: Sequence[float | None] | None, show: bool) -> list[float | None] | None:
-    return None if values is None or not show else [finite_or_none(v) for v in values]
-
-
-def _served(
-    values: Sequence[float | None], prompt_values: Sequence[float | None] | None
-) -> list[float | None]:
-    """Completion bounds plus the served prompt positions' (the leading null is no position)."""
-    return [*values, *(prompt_values or [])[1:]]
-
-
-def _max_bound(values: Sequence[float | None]) -> float | None:
-    """Max of the bounds; ``None`` if there are none or any is infinite/undefined."""
-    if not values:
-        return None
-    out = -math.inf
-    for v in values:
-        if v is None:
-            return None
-        v = float(v)
-        if not math.isfinite(v):
-            return None
-        out = max(out, v)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,6 +226,13 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 unless echo is true")
         return self
+
+    def to_sampling_params(self, *, max_new_tokens: int, choice: int = 0) -> SamplingParams:
+        """Sequence ``choice`` of a prompt (``max_new_tokens``: ``max_tokens`` checked against
+        the context, or the room left in it when ``max_tokens`` is null)."""
+        return self._sampling_params(
+            max_new_tokens=max_new_tokens, choice=choice, logprobs=self.logprobs, echo=self.echo
+        )
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list of strings or a list of token-id lists (at least one)."""
@@ -403,9 +341,18 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens``, else the deprecated ``max_tokens`` (null: up to the context)."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def to_sampling_params(self, *, max_new_tokens: int, choice: int = 0) -> SamplingParams:
+        """Choice ``choice`` (``max_new_tokens``: :meth:`max_new_tokens` checked against the
+        context, or the room left in it)."""
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(
+            max_new_tokens=max_new_tokens, choice=choice, logprobs=top, echo=False
+        )
 
 
 class TopLogprob(_Response):
