@@ -165,7 +165,7 @@ def test_atomic_write_disk_full_names_the_target(tmp_path):
 
 def test_finetune_over_another_run_says_what_the_user_can_do(tmp_path):
     from scpdr.data import Record
-    from scpdr.train import TRAIN_INFO, finetune
+    from scpdr.training import TRAIN_INFO, finetune
 
     out = tmp_path / "constituent-0"
     out.mkdir()
