@@ -1,8 +1,10 @@
-"""Test-wide settings: offline hubs, one BLAS thread per process, a shared model cache."""
+"""Test-wide settings (offline hubs, one BLAS thread per process, a shared model cache) and the
+session's shared, read-only tiny bundle."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,10 +22,23 @@ import torch
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A tiny bundle (``make_tiny_bundle``: base and two constituents, no constant base vector),
-    one per test module (some tests corrupt or edit it)."""
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory) -> Path:
+    """THE tiny bundle of the test session (``make_tiny_bundle(k=2, constant_base=False)``: a
+    random base and two constituents, no constant base vector), built once. Read-only: its files
+    are made unwritable; a test that changes a bundle uses ``tiny`` (a copy) instead."""
     from scpdr.testing import make_tiny_bundle
 
-    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"), k=2, constant_base=False)
+    root = make_tiny_bundle(tmp_path_factory.mktemp("tiny-bundle"), k=2, constant_base=False)
+    for f in root.rglob("*"):
+        if f.is_file():
+            f.chmod(0o444)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_bundle, tmp_path_factory) -> Path:
+    """A writable copy of :func:`tiny_bundle`, one per test module (some tests corrupt or edit
+    it): copy on write, without building the models again."""
+    dst = tmp_path_factory.mktemp("tiny") / "bundle"
+    return Path(shutil.copytree(tiny_bundle, dst, copy_function=shutil.copyfile))

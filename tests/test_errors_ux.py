@@ -49,13 +49,18 @@ def test_config_that_is_a_directory_says_so(tmp_path, capsys):
 # ----------------------------------------------------------------------------- 2. corrupt weights
 
 
+def _writable_copy(bundle: Path, dst: Path) -> Path:
+    """A copy of the session's read-only bundle whose files the test may damage."""
+    return Path(shutil.copytree(bundle, dst, copy_function=shutil.copyfile))
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
-def test_corrupt_safetensors_is_a_bundle_error_naming_the_file(tiny, tmp_path, damage):
+def test_corrupt_safetensors_is_a_bundle_error_naming_the_file(tiny_bundle, tmp_path, damage):
     from safetensors import SafetensorError
 
     from scpdr.models import load_model
 
-    bundle = Path(shutil.copytree(tiny, tmp_path / "b"))
+    bundle = _writable_copy(tiny_bundle, tmp_path / "b")
     weights = bundle / "constituent-1" / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[:100] if damage == "truncate" else b"\xff" * 16)
@@ -68,8 +73,8 @@ def test_corrupt_safetensors_is_a_bundle_error_naming_the_file(tiny, tmp_path, d
     load_model(bundle / "constituent-0")  # the intact one still loads
 
 
-def test_corrupt_safetensors_is_one_cli_line(tiny, tmp_path, capsys):
-    bundle = Path(shutil.copytree(tiny, tmp_path / "b"))
+def test_corrupt_safetensors_is_one_cli_line(tiny_bundle, tmp_path, capsys):
+    bundle = _writable_copy(tiny_bundle, tmp_path / "b")
     weights = bundle / "constituent-1" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     prompts = tmp_path / "prompts.txt"
@@ -84,13 +89,13 @@ def test_corrupt_safetensors_is_one_cli_line(tiny, tmp_path, capsys):
 
 
 def test_eval_with_only_attacks_lacking_data_fails_and_writes_nothing(
-    tiny, parts_without_canaries, tmp_path, capsys
+    tiny_bundle, parts_without_canaries, tmp_path, capsys
 ):
     out = tmp_path / "o"
     out.mkdir()
     previous = '[{"kept": true}]\n'
     (out / "results.json").write_text(previous, encoding="utf-8")
-    argv = ["eval", str(tiny), "--data", str(parts_without_canaries), "--out", str(out)]
+    argv = ["eval", str(tiny_bundle), "--data", str(parts_without_canaries), "--out", str(out)]
     assert main([*argv, "--attacks", "canary", "--methods", "cp-delta"]) == 2
     (line,) = _error_lines(capsys)
     assert "canary" in line and "no canaries" in line and "--canaries" in line
@@ -98,14 +103,16 @@ def test_eval_with_only_attacks_lacking_data_fails_and_writes_nothing(
     assert (out / "results.json").read_text(encoding="utf-8") == previous
 
     fresh = tmp_path / "fresh"  # nor is the output directory created
-    argv = ["eval", str(tiny), "--data", str(parts_without_canaries), "--out", str(fresh)]
+    argv = ["eval", str(tiny_bundle), "--data", str(parts_without_canaries), "--out", str(fresh)]
     assert main([*argv, "--attacks", "canary", "--methods", "cp-delta"]) == 2
     assert not fresh.exists()
 
 
-def test_eval_runs_the_attacks_that_have_data(tiny, parts_without_canaries, tmp_path, caplog):
+def test_eval_runs_the_attacks_that_have_data(
+    tiny_bundle, parts_without_canaries, tmp_path, caplog
+):
     out = tmp_path / "o"
-    argv = ["eval", str(tiny), "--data", str(parts_without_canaries), "--out", str(out)]
+    argv = ["eval", str(tiny_bundle), "--data", str(parts_without_canaries), "--out", str(out)]
     argv += ["--attacks", "canary,pii", "--methods", "cp-delta", "--pii-n", "2"]
     assert main(argv) == 0
     rows = json.loads((out / "results.json").read_text(encoding="utf-8"))
@@ -165,7 +172,7 @@ def test_atomic_write_disk_full_names_the_target(tmp_path):
 
 def test_finetune_over_another_run_says_what_the_user_can_do(tmp_path):
     from scpdr.data import Record
-    from scpdr.train import TRAIN_INFO, finetune
+    from scpdr.training import TRAIN_INFO, finetune
 
     out = tmp_path / "constituent-0"
     out.mkdir()

@@ -67,6 +67,25 @@ def test_config_round_trips_through_yaml():
     assert again == cfg
 
 
+def test_sections_are_the_librarys_configs():
+    """``train:`` is scpdr.training.TrainConfig (every field, formerly ``train.extra``),
+    ``canaries:`` scpdr.data.CanaryConfig, ``partitions:`` GroupingConfig's fields plus k (the
+    former key ``near_duplicate_threshold`` still reads as ``threshold``)."""
+    from scpdr.data import CanaryConfig, GroupingConfig
+    from scpdr.training import TrainConfig
+
+    patch = {
+        "train": {"optim": "adamw_torch", "save_steps": 7, "epochs": 0.5},
+        "partitions": {"near_duplicate_threshold": 0.5, "num_perm": 64},
+    }
+    cfg = validate_config(merged(tiny_dict(), patch))
+    assert isinstance(cfg.train, TrainConfig) and cfg.train.save_steps == 7
+    assert cfg.train.epochs == 0.5
+    assert isinstance(cfg.corpora[0].canaries, CanaryConfig)
+    assert cfg.corpora[0].canaries.repetitions == (1, 3)
+    assert cfg.partitions.grouping == GroupingConfig(threshold=0.5, num_perm=64)
+
+
 CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
 
 
@@ -75,14 +94,20 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
     [
         ({"colour": "red"}, "colour: unknown key"),
         ({"train": {"epoch": 3}}, "train.epoch: unknown key"),
-        ({"train": {"epochs": 0}}, "train.epochs: must be ≥ 1 (got 0)"),
-        ({"train": {"epochs": "many"}}, "train.epochs: must be an integer"),
+        ({"train": {"epochs": 0}}, "train.epochs: must be > 0 (got 0)"),
+        ({"train": {"epochs": "many"}}, "train.epochs: must be a number"),
+        ({"train": {"seq_len": 1}}, "train.seq_len: must be ≥ 2 (got 1)"),
+        ({"train": {"extra": {"bf16": True}}}, "train.extra: unknown key"),
+        ({"seed": 1, "train": {"seed": 2}}, "train.seed: the top-level `seed` seeds training"),
+        (
+            {"baselines": {"goldfish": {"h": 40}}, "train": {"seq_len": 32}},
+            "baselines.goldfish: goldfish_h=40 must be smaller than seq_len=32",
+        ),
+        ({"baselines": {"goldfish": {"k": 1}}}, "baselines.goldfish.k: must be ≥ 2 (got 1)"),
         ({"train": {"learning_rate": -1.0}}, "train.learning_rate: must be > 0"),
         ({"partitions": {"k": 1}}, "partitions.k: must be ≥ 2 (got 1)"),
-        (
-            {"partitions": {"near_duplicate_threshold": 1.5}},
-            "partitions.near_duplicate_threshold: must be < 1",
-        ),
+        ({"partitions": {"threshold": 1.5}}, "partitions.threshold: must be < 1"),
+        ({"partitions": {"num_perm": 8}}, "partitions.num_perm: must be ≥ 16 (got 8)"),
         ({"m": 0}, "m: must be ≥ 1 (got 0)"),
         ({"methods": ["none", "cp-magic"]}, "methods: unknown method(s) ['cp-magic']"),
         (
@@ -106,7 +131,7 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
         ),
         (
             {"corpora": [{**CORPUS, "canaries": {"repetitions": [0, 3]}}]},
-            "every repetition count must be ≥ 1",
+            "corpora.0.canaries.repetitions: repetitions must be a non-empty list of integers >= 1",
         ),
         ({"corpora": [{**CORPUS, "attacks": ["pii", "sql"]}]}, "unknown attack(s) ['sql']"),
         ({"corpora": [{**CORPUS, "attacks": ["canary"]}]}, "attack 'canary' needs canaries"),
@@ -203,7 +228,7 @@ def test_plan_hashes_depend_only_on_relevant_settings():
     assert all(n.startswith(("attack/names2ids/scp-delta-r", "bounds/")) for n in changed), changed
     stages_c, _ = plan(base.with_value("train.learning_rate", 5e-3))
     changed = {s.name.split("/")[0] for s in stages_c if s.key not in a}
-    assert "train" in changed and "data" not in changed and "partitions" not in changed
+    assert "train" in changed and "partitions" not in changed
 
 
 def test_sweep_point_stages_carry_their_sweep_value_in_the_label():
@@ -217,7 +242,7 @@ def test_sweep_point_stages_carry_their_sweep_value_in_the_label():
     canary_m1 = [s for s in stages if s.label == "attack/names2ids/scp-delta-r-b/canary [m=1]"]
     assert len(canary_m1) == 1 and canary_m1[0].name == "attack/names2ids/scp-delta-r-b/canary"
     assert any(s.label.startswith("train/") and "[train.epochs=2]" in s.label for s in stages)
-    main_stage = next(s for s in stages if s.name == "data/names2ids")
+    main_stage = next(s for s in stages if s.name == "partitions/names2ids")
     assert main_stage.label == main_stage.name  # shared with the main run: no sweep tag
     forced = [s for s in stages if matches_stage(s, canary_m1[0].label)]
     assert forced == canary_m1
@@ -302,7 +327,7 @@ def test_cli_config_error_exit_code(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(merged(tiny_dict(), {"train": {"epochs": 0}})))
     assert main(["experiment", str(bad), "--out", str(tmp_path / "o")]) == 2
-    assert "train.epochs: must be ≥ 1 (got 0)" in capsys.readouterr().err
+    assert "train.epochs: must be > 0 (got 0)" in capsys.readouterr().err
 
 
 def test_cli_dry_run_lists_stages(tmp_path, capsys):
@@ -310,7 +335,7 @@ def test_cli_dry_run_lists_stages(tmp_path, capsys):
 
     assert main(["experiment", str(TINY), "--out", str(tmp_path / "o"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "to run  data/names2ids" in out and "report" in out
+    assert "to run  partitions/names2ids" in out and "report" in out
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -441,6 +466,50 @@ def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tm
     assert all(t["seconds"] > 0 for t in timings)
     assert (out / "lira_roc.png").read_bytes()[:4] == b"\x89PNG"
     assert set(json.loads((out / "roc.json").read_text())["names2ids"]) == set(methods_)
+
+
+def test_the_experiment_prepares_and_trains_with_the_librarys_one_config(tiny_run):
+    """The seam to scpdr.data / scpdr.training: the partitions stage is
+    ``prepare_partitions`` with the corpus's settings (the same manifest), and every model trains
+    with the ``train:`` section as a TrainConfig, seeded by the top-level seed (the goldfish
+    baseline with its fields added)."""
+    from scpdr.data import GroupingConfig, load_partitions, prepare_partitions
+    from scpdr.experiment import StageCache
+    from scpdr.training import TRAIN_INFO, TrainConfig
+
+    cfg = load_config(TINY)
+    corpus = cfg.corpora[0]
+    stages, _ = plan(cfg)
+    stage = {}
+    for s in stages:
+        stage.setdefault(s.name, s)
+    cache = StageCache(tiny_run.out)
+
+    direct = prepare_partitions(
+        corpus.resolved_source,
+        k=cfg.partitions.k,
+        seed=cfg.seed,
+        n_train=corpus.n_train,
+        n_val=corpus.n_val,
+        grouping=GroupingConfig(),
+        canaries=corpus.canaries,
+    )
+    got = load_partitions(cache.stage_dir(stage["partitions/names2ids"]) / "partitions")
+    assert got.manifest.sha256() == direct.pset.manifest.sha256()
+
+    def trained_with(name: str) -> TrainConfig:
+        info = cache.stage_dir(stage[name]) / "model" / TRAIN_INFO
+        return TrainConfig.model_validate(json.loads(info.read_text())["config"])
+
+    want = cfg.train.model_copy(update={"seed": cfg.seed, "progress": False}).resolved()
+    assert trained_with("train/names2ids/c0") == want
+    assert trained_with("train/names2ids/c1") == want
+    (baseline,) = methods.BASELINE_METHODS  # its stage: train/<corpus>/<row name>
+    goldfish = cfg.baselines.goldfish
+    assert goldfish is not None
+    assert trained_with(f"train/names2ids/{baseline}") == want.model_copy(
+        update={"goldfish": True, "goldfish_k": goldfish.k, "goldfish_h": goldfish.h}
+    )
 
 
 def test_demo_checks_on_hand_made_rows():

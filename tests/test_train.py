@@ -46,13 +46,9 @@ def records() -> list[Record]:
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tok) -> Path:
-    from scpdr.testing import tiny_model
-
-    d = tmp_path_factory.mktemp("tiny-base")
-    tiny_model(0).save_pretrained(str(d))
-    tok.save_pretrained(str(d))
-    return d
+def base_dir(tiny_bundle) -> Path:
+    """``tiny_model(0)`` and the tokenizer: the session bundle's (read-only) base."""
+    return tiny_bundle / "base"
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

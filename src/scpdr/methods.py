@@ -30,6 +30,7 @@ from typing import Literal
 from scpdr.errors import ConfigError
 
 __all__ = [
+    "AGGREGATE_METHODS",
     "BASELINE_METHODS",
     "BOUND_METHODS",
     "MAIN_TABLE_METHODS",
@@ -181,6 +182,9 @@ MAIN_TABLE_METHODS: tuple[str, ...] = tuple(
 )
 #: The order of method rows in every table and plot (methods not listed follow, sorted).
 METHOD_ORDER: tuple[str, ...] = tuple(s.name for s in SPECS.values() if s.kind != "reference")
+#: Rows a bundle computes by itself: every NAF rule over its K constituents (and No CP =
+#: constituent 0), in table order. ``scpdr eval``'s and an experiment's requestable methods.
+AGGREGATE_METHODS: tuple[str, ...] = tuple(n for n, s in SPECS.items() if s.kind == "aggregate")
 #: Training-time baselines, evaluated as a single model like No CP.
 BASELINE_METHODS: frozenset[str] = frozenset(s.name for s in SPECS.values() if s.kind == "single")
 #: Rows attacks add for comparison (never requested as methods).

@@ -31,7 +31,7 @@ __all__ = [
 
 #: Result-row methods a bundle runs by itself: every NAF rule over its constituents, with the
 #: base its smoothing needs (training-time baselines need their own model: ``singles``).
-BUNDLE_METHODS: tuple[str, ...] = tuple(n for n, s in M.SPECS.items() if s.kind == "aggregate")
+BUNDLE_METHODS: tuple[str, ...] = M.AGGREGATE_METHODS
 
 
 class ModelStore:

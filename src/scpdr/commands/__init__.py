@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
+from scpdr.errors import format_validation_error
 
-def format_validation_error(exc: Any, names: Mapping[str, str] | None = None) -> str:
-    """A pydantic ``ValidationError`` as one clause per bad field, ``field: message (got value)``,
-    without pydantic's URLs and type codes; ``names`` renames a field (e.g. to its option)."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "value"
-        got = f" (got {err['input']!r})" if "input" in err and loc != "value" else ""
-        first = str(err["loc"][0]) if err.get("loc") else ""
-        where = (names or {}).get(first, loc)
-        parts.append(f"{where}: {err.get('msg', '')}{got}")
-    return "; ".join(parts)
+__all__ = ["check_m", "check_method", "check_out_dir", "format_validation_error", "split_list"]
 
 
 def check_method(method: str, option: str = "--method") -> None:

@@ -2,12 +2,13 @@
 
 The pipeline of ``shared/DESIGN.md`` (layer 6)::
 
-    data → partitions (+ audit) → train constituents (+ reference / baseline models) → bundles
-         → attacks (one stage per corpus × method × attack) → bounds → report
+    partitions (data + canaries + audit) → train constituents (+ reference / baseline models)
+         → bundles → attacks (one stage per corpus × method × attack) → bounds → report
 
 - :mod:`~scpdr.experiment.config` (+ :mod:`~scpdr.experiment.sections`): the pydantic schema,
   :func:`load_config` / :func:`validate_config`; errors name the key path and the fix, e.g.
-  ``train.epochs: must be ≥ 1 (got 0)``.
+  ``train.epochs: must be > 0 (got 0)``. The ``train:`` section is the library's
+  :class:`scpdr.training.TrainConfig`, a corpus's ``canaries:`` its :class:`scpdr.data.CanaryConfig`.
 - :mod:`~scpdr.experiment.cache`: the content-addressed stage cache (hash = inputs + dependency
   hashes + code version; marker written last; ``.partial`` dirs resume), the run lock.
 - :mod:`~scpdr.experiment.plan`: config → the stage graph (:func:`plan`), sweeps included.
@@ -50,14 +51,12 @@ from scpdr.experiment.sections import (
     AttacksConfig,
     BaselinesConfig,
     BoundsConfig,
-    CanaryConfig,
     CorpusConfig,
     GoldfishConfig,
     PartitionConfig,
     ReferenceConfig,
     ReportConfig,
     SweepConfig,
-    TrainSection,
 )
 
 __all__ = [
@@ -69,7 +68,6 @@ __all__ = [
     "AttacksConfig",
     "BaselinesConfig",
     "BoundsConfig",
-    "CanaryConfig",
     "CorpusConfig",
     "Executor",
     "ExperimentConfig",
@@ -87,7 +85,6 @@ __all__ = [
     "StageOutcome",
     "StageRunner",
     "SweepConfig",
-    "TrainSection",
     "code_version",
     "load_config",
     "matches_stage",

@@ -48,8 +48,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 STAGE_VERSIONS: dict[str, int] = {
-    "data": 1,
-    "partitions": 1,
+    "partitions": 2,  # 2: the data stage merged in (scpdr.data.prepare_partitions)
     "train": 1,
     "bundle": 1,
     "attack": 1,
@@ -68,9 +67,8 @@ _EVAL_CODE = (
     "scpdr.models",
 )
 _STAGE_CODE: dict[str, tuple[str, ...]] = {
-    "data": ("scpdr.data",),
     "partitions": ("scpdr.data",),
-    "train": ("scpdr.train", "scpdr.training", "scpdr.models", "scpdr.tiny", "scpdr.data"),
+    "train": ("scpdr.training", "scpdr.models", "scpdr.tiny", "scpdr.data"),
     "bundle": ("scpdr.models",),
     "attack": _EVAL_CODE,
     "bounds": _EVAL_CODE,

@@ -3,7 +3,7 @@
 ``extends:`` and paths relative to the config file).
 
 ``extra="forbid"`` everywhere: an unknown key or a bad value is a :class:`~scpdr.errors.ConfigError`
-naming the key path and the fix, e.g. ``train.epochs: must be ≥ 1 (got 0)``. Method names are
+naming the key path and the fix, e.g. ``train.epochs: must be > 0 (got 0)``. Method names are
 result-row names of :mod:`scpdr.methods`; an alias ("scp-delta-r") is stored as its row
 ("SCP-Δr-b").
 """
@@ -34,8 +34,8 @@ from scpdr.experiment.sections import (
     ReportConfig,
     Section,
     SweepConfig,
-    TrainSection,
 )
+from scpdr.training import TrainConfig
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -61,7 +61,11 @@ class ExperimentConfig(Section):
     )
     corpora: list[CorpusConfig] = Field(..., min_length=1, description="datasets")
     partitions: PartitionConfig = Field(default_factory=PartitionConfig)
-    train: TrainSection = Field(default_factory=TrainSection)
+    train: TrainConfig = Field(
+        default_factory=TrainConfig,
+        description="fine-tuning of every model: scpdr.training.TrainConfig (the top-level seed "
+        "seeds it)",
+    )
     references: ReferenceConfig = Field(default_factory=ReferenceConfig)
     baselines: BaselinesConfig = Field(default_factory=BaselinesConfig)
     methods: list[str] = Field(default_factory=lambda: list(DEFAULT_METHODS))
@@ -88,6 +92,7 @@ class ExperimentConfig(Section):
                     f"corpora.{i}.canaries.partition: must be < partitions.k = "
                     f"{self.partitions.k} (got {c.canaries.partition})"
                 )
+        self._check_train()
         if "cp-fuse" in self.methods and self.partitions.k != 2:
             raise ValueError(
                 f"methods: cp-fuse fuses exactly 2 constituents, but partitions.k = "
@@ -130,6 +135,22 @@ class ExperimentConfig(Section):
             if s.attacks is not None and any(a not in ATTACKS for a in s.attacks):
                 raise ValueError(f"sweeps.{i}.attacks: must be among {list(ATTACKS)}")
         return self
+
+    def _check_train(self) -> None:
+        """The training settings every model gets are valid ones: ``train`` (already a
+        :class:`TrainConfig`) with the top-level seed, and with the goldfish baseline's fields."""
+        if self.train.seed not in (0, self.seed):
+            raise ValueError(
+                f"train.seed: the top-level `seed` seeds training (got train.seed = "
+                f"{self.train.seed}, seed = {self.seed}); set `seed:` and drop train.seed"
+            )
+        goldfish = self.baselines.goldfish
+        if goldfish is not None:
+            try:
+                TrainConfig.model_validate({**self.train.model_dump(), **goldfish.train_fields()})
+            except ValidationError as exc:
+                msg = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise ValueError(f"baselines.goldfish: {msg}") from None
 
     # -- derived -------------------------------------------------------------------------
 
@@ -235,6 +256,11 @@ def _format_loc(loc: Sequence[Any]) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
+def _bound(value: Any) -> Any:
+    """A bound as written in a config: ``0`` for the float bound ``0.0``."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _format_validation_error(exc: ValidationError, *, source: str | None) -> str:
     lines = []
     for err in exc.errors():
@@ -242,7 +268,7 @@ def _format_validation_error(exc: ValidationError, *, source: str | None) -> str
         kind = err["type"]
         ctx = err.get("ctx") or {}
         if kind in _ERROR_TEMPLATES:
-            msg = _ERROR_TEMPLATES[kind].format(**{k: v for k, v in ctx.items()})
+            msg = _ERROR_TEMPLATES[kind].format(**{k: _bound(v) for k, v in ctx.items()})
         else:
             msg = str(err["msg"]).removeprefix("Value error, ")
         if kind not in ("missing", "extra_forbidden", "model_type"):

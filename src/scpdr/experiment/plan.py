@@ -2,8 +2,8 @@
 
 ::
 
-    data → partitions (+ audit) → train constituents (+ reference / baseline models) → bundles
-         → attacks (one stage per corpus × method × attack) → bounds → report
+    partitions (data + canaries + audit) → train constituents (+ reference / baseline models)
+         → bundles → attacks (one stage per corpus × method × attack) → bounds → report
 
 A sweep re-plans the experiment at each of its values; a stage whose hash equals the main run's is
 the same stage (run once). :class:`StageGraph` orders the stages so that every stage follows the
@@ -26,7 +26,6 @@ from scpdr.experiment.config import ExperimentConfig, validate_config
 from scpdr.experiment.sections import BUILTIN_CORPORA, GOLDFISH, CorpusConfig, SweepConfig
 from scpdr.experiment.stages import (
     run_bundle,
-    run_data,
     run_partitions,
     run_ref_bundle,
     run_tiny_base,
@@ -50,7 +49,7 @@ def _stage_inputs_corpus(cfg: ExperimentConfig, corpus: CorpusConfig) -> dict[st
 
 
 def _source_fingerprint(source: str) -> str | None:
-    """Size and mtime of a user data file (a changed file re-runs the data stage)."""
+    """Size and mtime of a user data file (a changed file re-runs the partitions stage)."""
     if source in BUILTIN_CORPORA:
         return None
     p = Path(source).expanduser()
@@ -68,13 +67,14 @@ def _source_fingerprint(source: str) -> str | None:
 
 
 def _train_inputs(cfg: ExperimentConfig) -> dict[str, Any]:
-    return {"train": cfg.train.model_dump(), "base": cfg.base, "seed": cfg.seed}
+    # train.seed and train.progress are the stage's: the top-level seed, no progress bars
+    train = cfg.train.model_dump(mode="json", exclude={"seed", "progress"})
+    return {"train": train, "base": cfg.base, "seed": cfg.seed}
 
 
 @dataclasses.dataclass
 class _CorpusStages:
     corpus: CorpusConfig
-    data: Stage
     partitions: Stage
     constituents: list[Stage]
     bundle: Stage
@@ -122,18 +122,16 @@ def plan(cfg: ExperimentConfig) -> tuple[list[Stage], Stage]:
 def _summary(cfg: ExperimentConfig) -> str:
     corpora = ", ".join(
         f"{c.resolved_label} ({c.resolved_source}, {c.n_train} train / {c.n_val} val"
-        + (f", canaries ×{c.canaries.repetitions}" if c.canaries else "")
+        + (f", canaries ×{list(c.canaries.repetitions)}" if c.canaries else "")
         + ")"
         for c in cfg.corpora
     )
-    t = cfg.train
+    t = cfg.train.resolved()
     mode = "LoRA" if t.lora else "full fine-tuning"
-    epochs = t.epochs if t.epochs is not None else (20 if t.lora else 50)
-    lr = t.learning_rate if t.learning_rate is not None else (5e-4 if t.lora else 5e-5)
     steps = f", max {t.max_steps} steps" if t.max_steps else ""
     return (
         f"Base model: {cfg.base}. Data: {corpora}. K = {cfg.partitions.k} partitions; {mode}, "
-        f"{epochs} epochs, lr {lr:g}{steps}. Smoothing m = {cfg.m}."
+        f"{t.epochs:g} epochs, lr {t.learning_rate:g}{steps}. Smoothing m = {cfg.m}."
     )
 
 
@@ -177,7 +175,7 @@ def _plan_point(cfg: ExperimentConfig, base_stage: Stage | None) -> list[Stage]:
     base_deps = {"base": base_stage} if base_stage is not None else {}
     for corpus in cfg.corpora:
         cs = _plan_corpus(cfg, corpus, base_deps)
-        stages += [cs.data, cs.partitions, *cs.constituents]
+        stages += [cs.partitions, *cs.constituents]
         stages += [s for s in (cs.reference, cs.goldfish) if s is not None]
         stages += [s for s in (cs.bundle, cs.ref_bundle) if s is not None]
         stages += _plan_attacks(cfg, cs)
@@ -207,22 +205,15 @@ def _plan_point(cfg: ExperimentConfig, base_stage: Stage | None) -> list[Stage]:
 def _plan_corpus(
     cfg: ExperimentConfig, corpus: CorpusConfig, base_deps: dict[str, Stage]
 ) -> _CorpusStages:
-    data = Stage(
-        name=f"data/{corpus.name}",
-        kind="data",
-        inputs=_stage_inputs_corpus(cfg, corpus),
-        run=run_data,
-    )
     partitions = Stage(
         name=f"partitions/{corpus.name}",
         kind="partitions",
         inputs={
+            **_stage_inputs_corpus(cfg, corpus),
             "partitions": cfg.partitions.model_dump(),
-            "seed": cfg.seed,
             "holdout": cfg.references.holdout,
         },
         run=run_partitions,
-        deps={"data": data},
     )
     train_in = _train_inputs(cfg)
     constituents = [
@@ -246,7 +237,7 @@ def _plan_corpus(
             **base_deps,
         },
     )
-    cs = _CorpusStages(corpus, data, partitions, constituents, bundle)
+    cs = _CorpusStages(corpus, partitions, constituents, bundle)
     if cfg.needs_reference:
         cs.reference = Stage(
             name=f"train/{corpus.name}/ref",

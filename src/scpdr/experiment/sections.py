@@ -12,6 +12,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scpdr import methods as M
+from scpdr.data import CanaryConfig, GroupingConfig
+from scpdr.training import TrainConfig
 
 __all__ = [
     "ATTACKS",
@@ -22,7 +24,6 @@ __all__ = [
     "BaselinesConfig",
     "BoundsConfig",
     "CanaryAttackConfig",
-    "CanaryConfig",
     "CorpusConfig",
     "GenerationsConfig",
     "GoldfishConfig",
@@ -34,13 +35,12 @@ __all__ = [
     "Section",
     "SweepConfig",
     "TTEAttackConfig",
-    "TrainSection",
     "UtilityAttackConfig",
 ]
 
 #: Result rows a config's ``methods`` may name (aliases resolve to their row): every NAF rule
 #: over a bundle's constituents. Training-time baselines are switched on under ``baselines:``.
-REQUESTABLE_METHODS: tuple[str, ...] = tuple(n for n, s in M.SPECS.items() if s.kind == "aggregate")
+REQUESTABLE_METHODS: tuple[str, ...] = M.AGGREGATE_METHODS
 #: The one training-time baseline (Hans et al. 2024's goldfish loss): its result row, and the name
 #: of its section under ``baselines:`` and of its training stage.
 (GOLDFISH,) = M.BASELINE_METHODS
@@ -63,27 +63,6 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class CanaryConfig(Section):
-    """Canaries (Carlini et al. 2019, paper §5.3) inserted into one partition of a corpus."""
-
-    repetitions: list[int] = Field(
-        default_factory=lambda: [1, 3, 10],
-        description="how many times each canary is inserted; one group of canaries per value",
-    )
-    n_per_repetition: int = Field(5, ge=1, description="canaries per repetition count")
-    num_words: int = Field(3, ge=1, le=16, description="random words per canary (the secret part)")
-    partition: int = Field(0, ge=0, description="the partition the canaries are inserted into")
-
-    @field_validator("repetitions")
-    @classmethod
-    def _reps(cls, v: list[int]) -> list[int]:
-        if not v:
-            raise ValueError("must list at least one repetition count")
-        if any(r < 1 for r in v):
-            raise ValueError(f"every repetition count must be ≥ 1 (got {v})")
-        return v
-
-
 class CorpusConfig(Section):
     """One dataset: its constituents are trained on its partitions and attacked on it."""
 
@@ -100,7 +79,9 @@ class CorpusConfig(Section):
         default_factory=dict,
         description="field mapping for user files: {id|prompt|response|text: column name}",
     )
-    canaries: CanaryConfig | None = Field(None, description="insert canaries into this corpus")
+    canaries: CanaryConfig | None = Field(
+        None, description="insert canaries into this corpus (scpdr.data.CanaryConfig)"
+    )
     attacks: list[str] | None = Field(
         None,
         description="attacks run on this corpus; default: pii (names2ids only), tte, lira, "
@@ -172,48 +153,29 @@ class CorpusConfig(Section):
         return out
 
 
-class PartitionConfig(Section):
-    """K disjoint partitions, near-duplicates kept together (MinHash LSH)."""
+class PartitionConfig(GroupingConfig):
+    """K disjoint partitions, near-duplicates kept together: the number of partitions, the audit
+    override, and the fields of :class:`scpdr.data.GroupingConfig` (MinHash LSH; ``threshold``,
+    ``num_perm``, ...), the settings of :func:`scpdr.data.prepare_partitions`."""
 
     k: int = Field(2, ge=2, description="number of partitions = constituents (K)")
-    near_duplicate_threshold: float = Field(
-        0.7, gt=0.0, lt=1.0, description="shingle Jaccard at or above which records are grouped"
-    )
-    num_perm: int = Field(128, ge=16, description="MinHash permutations")
     allow_overlap: bool = Field(
         False, description="bundle even if the audit finds overlaps (recorded in the bundle)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        # `threshold` was `near_duplicate_threshold` before it became GroupingConfig's field
+        if isinstance(data, dict) and "near_duplicate_threshold" in data:
+            data = dict(data)
+            data.setdefault("threshold", data.pop("near_duplicate_threshold"))
+        return data
 
-class TrainSection(Section):
-    """Fine-tuning of every constituent (paper App. E, Table "training defaults"); mapped onto
-    :class:`scpdr.train.TrainConfig`. Fields left null take the paper's default for the mode
-    (full fine-tuning / LoRA)."""
-
-    epochs: int | None = Field(None, ge=1, description="training epochs (paper: 50 / LoRA 20)")
-    learning_rate: float | None = Field(
-        None, gt=0.0, description="peak learning rate (paper: 5e-5 / LoRA 5e-4)"
-    )
-    batch_size: int | None = Field(None, ge=1, description="sequences per step (paper: 1 / 64)")
-    grad_accum: int = Field(1, ge=1, description="gradient accumulation steps")
-    seq_len: int = Field(2048, ge=8, description="sequence length in tokens")
-    packing: bool | None = Field(
-        None, description="concatenate examples with EOS (paper: full FT) or pad each (LoRA)"
-    )
-    warmup_steps: int = Field(50, ge=0, description="linear warm-up steps")
-    max_grad_norm: float = Field(2.0, gt=0.0, description="gradient clipping norm")
-    neftune_alpha: float | None = Field(
-        None, ge=0.0, description="NEFTune noise alpha (paper: 5 full / none LoRA; 0 disables)"
-    )
-    max_steps: int | None = Field(None, ge=1, description="stop after this many steps (smoke runs)")
-    lora: bool = Field(False, description="train LoRA adapters instead of full fine-tuning")
-    lora_r: int = Field(64, ge=1, description="LoRA rank")
-    lora_alpha: int = Field(32, ge=1, description="LoRA alpha")
-    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout")
-    extra: dict[str, Any] = Field(
-        default_factory=dict,
-        description="further scpdr.train.TrainConfig fields (e.g. optim, bf16), passed through",
-    )
+    @property
+    def grouping(self) -> GroupingConfig:
+        """The near-duplicate grouping settings alone."""
+        return GroupingConfig(**self.model_dump(include=set(GroupingConfig.model_fields)))
 
 
 class ReferenceConfig(Section):
@@ -227,10 +189,16 @@ class ReferenceConfig(Section):
 
 
 class GoldfishConfig(Section):
-    """Goldfish loss (Hans et al. 2024): drop every k-th token (hashed context of h tokens)."""
+    """Goldfish loss (Hans et al. 2024): drop every k-th token (hashed context of h tokens). The
+    fields, defaults and bounds of :class:`scpdr.training.TrainConfig`'s ``goldfish_k`` /
+    ``goldfish_h``."""
 
-    k: int = Field(4, ge=2, description="drop one token in k from the loss")
-    h: int = Field(13, ge=1, description="context width of the hash")
+    k: int = TrainConfig.model_fields["goldfish_k"]
+    h: int = TrainConfig.model_fields["goldfish_h"]
+
+    def train_fields(self) -> dict[str, Any]:
+        """The :class:`~scpdr.training.TrainConfig` fields that switch this baseline on."""
+        return {"goldfish": True, "goldfish_k": self.k, "goldfish_h": self.h}
 
 
 class BaselinesConfig(Section):

@@ -1,30 +1,32 @@
-"""The stage bodies that build an experiment's models: the tiny base, data, partitions (+ audit,
-LiRA's targets), constituents / reference p0 / baselines, and the bundles. Each is a function of
-a :class:`~scpdr.experiment.cache.StageContext` that writes into ``ctx.dir``; the attack, bounds and
-report stages are in :mod:`scpdr.experiment.stages_eval`.
+"""The stage bodies that build an experiment's models: the tiny base, the partitions (data +
+canaries + audit, LiRA's targets), constituents / reference p0 / baselines, and the bundles. Each
+is a function of a :class:`~scpdr.experiment.cache.StageContext` that writes into ``ctx.dir``; the
+attack, bounds and report stages are in :mod:`scpdr.experiment.stages_eval`.
 
-The experiment's train section and data preparation here are its own (``TrainSection``); the
-library's ``TrainConfig`` / ``prepare_partitions`` will replace them.
+The data is prepared by the library's one data preparation
+(:func:`scpdr.data.prepare_partitions`, as ``scpdr train`` does) and every model trained with the
+library's one :class:`scpdr.training.TrainConfig` (the YAML ``train:`` section).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from scpdr.data import CanaryConfig, prepare_partitions
 from scpdr.errors import ConfigError
 from scpdr.experiment.cache import StageContext
-from scpdr.experiment.sections import BUILTIN_CORPORA, GOLDFISH, PartitionConfig, TrainSection
+from scpdr.experiment.sections import GOLDFISH, GoldfishConfig, PartitionConfig
 from scpdr.io import atomic_write_json, read_json
+from scpdr.training import TrainConfig
 
 __all__ = [
     "TARGETS_NAME",
     "load_pset",
     "run_bundle",
-    "run_data",
     "run_partitions",
     "run_ref_bundle",
     "run_tiny_base",
@@ -51,88 +53,30 @@ def _base_ref(ctx: StageContext) -> str:
     return ctx.config.base
 
 
-def run_data(ctx: StageContext) -> None:
-    import random
-
-    from scpdr.data import CanaryConfig as DataCanaryConfig
-    from scpdr.data import build_corpus, load_records, make_canaries, save_records
-
-    inp = ctx.stage.inputs
-    source, n_train, n_val, seed = inp["source"], inp["n_train"], inp["n_val"], inp["seed"]
-    if source in BUILTIN_CORPORA:
-        corpus = build_corpus(source, n_train=n_train, n_val=n_val, seed=seed)
-        train, val = corpus.train, corpus.validation
-    else:
-        records = load_records(source, fields=inp["fields"] or None)
-        rng = random.Random(f"experiment-data:{seed}")
-        order = list(range(len(records)))
-        rng.shuffle(order)
-        if len(records) < n_val + 2:
-            raise ConfigError(
-                f"{source} has {len(records)} records; need more than n_val + 1 = {n_val + 1}"
-            )
-        val = [records[i] for i in order[:n_val]]
-        train = [records[i] for i in order[n_val : n_val + n_train]]
-        if len(train) < n_train:
-            logger.warning("%s: only %d training records (n_train=%d)", source, len(train), n_train)
-    save_records(ctx.dir / "train.jsonl", train)
-    save_records(ctx.dir / "validation.jsonl", val)
-    can = inp["canaries"]
-    if can is not None:
-        registry = make_canaries(
-            DataCanaryConfig(
-                n_per_repetition=can["n_per_repetition"],
-                repetitions=tuple(can["repetitions"]),
-                num_words=can["num_words"],
-                partition=can["partition"],
-                seed=seed,
-            )
-        )
-        registry.save(ctx.dir / "canaries.json")
-    atomic_write_json(ctx.dir / "meta.json", {"n_train": len(train), "n_val": len(val)})
-
-
 def run_partitions(ctx: StageContext) -> None:
-    import random
-
-    from scpdr.data import (
-        CanaryRegistry,
-        GroupingConfig,
-        audit_partitions,
-        load_records,
-        partition_records,
-        save_partitions,
-    )
-
-    pcfg = PartitionConfig.model_validate(ctx.stage.inputs["partitions"])
-    seed = int(ctx.stage.inputs["seed"])
-    data = ctx.dep("data")
-    train = load_records(data / "train.jsonl")
-    val = load_records(data / "validation.jsonl")
-    registry = (
-        CanaryRegistry.load(data / "canaries.json") if (data / "canaries.json").exists() else None
-    )
-    grouping = GroupingConfig(threshold=pcfg.near_duplicate_threshold, num_perm=pcfg.num_perm)
-    pset = partition_records(
-        train,
+    """The corpus → canaries inserted → K audited disjoint partitions
+    (:func:`scpdr.data.prepare_partitions`), the bundle's audit record, and LiRA's targets."""
+    inp = ctx.stage.inputs
+    pcfg = PartitionConfig.model_validate(inp["partitions"])
+    seed = int(inp["seed"])
+    prepared = prepare_partitions(
+        inp["source"],
         k=pcfg.k,
         seed=seed,
-        grouping=grouping,
-        canaries=registry,
-        validation=val,
-        dataset={"records": str(data / "train.jsonl")},
+        n_train=inp["n_train"],
+        n_val=inp["n_val"],
+        fields=inp["fields"] or None,
+        grouping=pcfg.grouping,
+        canaries=CanaryConfig.model_validate(inp["canaries"]) if inp["canaries"] else None,
+        out=ctx.dir / "partitions",
+        overwrite=True,
+        allow_failed_audit=pcfg.allow_overlap,
+        override="`partitions: {allow_overlap: true}` in the config",
     )
-    audit = audit_partitions(pset.manifest, pset.records(), canaries=registry)
-    audit_dict = audit.to_dict()
-    audit_dict["overridden"] = bool(pcfg.allow_overlap and not audit.passed)
-    atomic_write_json(ctx.dir / "audit.json", audit_dict)
-    if not audit.passed:
-        if not pcfg.allow_overlap:
-            audit.raise_if_failed("`partitions: {allow_overlap: true}` in the config")
-        logger.warning("partition audit FAILED; continuing because partitions.allow_overlap is set")
-    save_partitions(ctx.dir / "partitions", pset)
+    atomic_write_json(ctx.dir / "audit.json", prepared.audit_record())
+    pset, registry = prepared.pset, prepared.pset.canaries
     # The targets of LiRA / v_x: partition-0 examples left out of the reference model p0.
-    holdout = int(ctx.stage.inputs["holdout"])
+    holdout = int(inp["holdout"])
     canary_ids = {r.id for r in registry.records()} if registry is not None else set()
     pool = [r.id for r in pset.parts[0] if r.id not in canary_ids]
     rng = random.Random(f"experiment-targets:{seed}")
@@ -164,44 +108,16 @@ def _training_records(ctx: StageContext) -> list[Any]:
 
 
 def run_train(ctx: StageContext) -> None:
-    from scpdr import train as T
+    """Fine-tune one model on its partition: the ``train`` section (a :class:`TrainConfig`) with
+    the experiment's top-level seed, plus the goldfish loss for that baseline."""
+    from scpdr.training import finetune
 
-    records = _training_records(ctx)
-    tcfg = TrainSection.model_validate(ctx.stage.inputs["train"])
-    goldfish = ctx.stage.inputs.get(GOLDFISH)
-    config = _train_config(T, tcfg, goldfish=goldfish, seed=int(ctx.stage.inputs["seed"]))
-    T.finetune(records, base=_base_ref(ctx), config=config, out=ctx.dir / "model")
-
-
-def _train_config(
-    T: Any, tcfg: TrainSection, *, goldfish: Mapping[str, Any] | None, seed: int
-) -> Any:
-    """Map the experiment's train section onto ``scpdr.train.TrainConfig``."""
-    fields: dict[str, Any] = {
-        "lora": tcfg.lora,
-        "grad_accum": tcfg.grad_accum,
-        "seq_len": tcfg.seq_len,
-        "warmup_steps": tcfg.warmup_steps,
-        "max_grad_norm": tcfg.max_grad_norm,
-        "lora_r": tcfg.lora_r,
-        "lora_alpha": tcfg.lora_alpha,
-        "lora_dropout": tcfg.lora_dropout,
-        "seed": seed,
-        "progress": False,
-    }
-    for name in ("epochs", "learning_rate", "batch_size", "packing", "neftune_alpha"):
-        value = getattr(tcfg, name)
-        if value is not None:
-            fields[name] = value
-    if tcfg.max_steps is not None:
-        fields["max_steps"] = tcfg.max_steps
-    if goldfish is not None:
-        fields.update(goldfish=True, goldfish_k=goldfish["k"], goldfish_h=goldfish["h"])
-    fields.update(tcfg.extra)
-    try:
-        return T.TrainConfig(**fields)
-    except ValueError as exc:
-        raise ConfigError(f"train: {exc}") from None
+    inp = ctx.stage.inputs
+    update = {"seed": int(inp["seed"]), "progress": False}
+    if inp.get(GOLDFISH) is not None:
+        update.update(GoldfishConfig.model_validate(inp[GOLDFISH]).train_fields())
+    config = TrainConfig.from_dict({**inp["train"], **update}, what="train")
+    finetune(_training_records(ctx), base=_base_ref(ctx), config=config, out=ctx.dir / "model")
 
 
 def _validation_texts(pset: Any, n: int | None = None) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from scpdr.errors import ConfigError
+from scpdr.errors import ConfigError, format_validation_error
 from scpdr.training.goldfish import GOLDFISH_H, GOLDFISH_K
 
 __all__ = [
@@ -173,7 +173,7 @@ class TrainConfig(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(f"invalid {what}: {_one_line(exc)}") from None
+            raise ConfigError(f"invalid {what}: {format_validation_error(exc)}") from None
 
     @classmethod
     def from_json(cls, text: str) -> TrainConfig:
@@ -224,15 +224,6 @@ def _parse(text: str, fmt: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid training config: expected a {fmt} mapping of settings")
     return data
-
-
-def _one_line(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "value"
-        got = f" (got {err['input']!r})" if "input" in err and loc != "value" else ""
-        parts.append(f"{loc}: {err.get('msg', '')}{got}")
-    return "; ".join(parts)
 
 
 def make_config(config: TrainConfig | dict[str, Any] | None) -> TrainConfig:
