@@ -50,7 +50,7 @@ def test_lora_fast_path_on_the_real_model_equals_the_general_path(base, tmp_path
     where it builds, packed tied embeddings) equals three separate merged models: log-probs of
     a scored batch within 1e-4, the same greedy tokens."""
     from scpdr import lora_fast
-    from scpdr.train import LORA_TARGET_MODULES
+    from scpdr.training import LORA_TARGET_MODULES
 
     model, tok = base
     refs = [

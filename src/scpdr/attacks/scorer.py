@@ -77,7 +77,7 @@ def scorer_name(scorer: Any, default: str = "scorer") -> str:
 def encode(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
     """Token IDs of ``text``: the one place attacks tokenize. A text that starts a document
     (a prompt, a training example) gets the tokenizer's special tokens as in training
-    (``scpdr.train`` tokenizes with the default); a continuation (a canary's secret) passes
+    (``scpdr.training`` tokenizes with the default); a continuation (a canary's secret) passes
     ``add_special_tokens=False``."""
     try:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
