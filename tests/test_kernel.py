@@ -98,12 +98,15 @@ def test_scp_delta_r_kernel_and_torch_equal_the_definition(data):
     x, base, m = data
     want, gap = definition(x, base, m)
     assume(gap > 1e-5)
+    # float32 sums of up to 150,000 terms: 5e-5 (the torch path's final log_softmax of V = 50,000
+    # entries was measured 4.5e-5 off at m = V - 3, logits ±48); the kernel sums in double
+    tol = {"atol": 5e-5 if x.shape[-1] > 20000 else 2e-5, "rtol": 2e-6}
     got = naf.scp_delta_r_torch(x, base=base, m=m)
-    np.testing.assert_allclose(got.double().numpy(), want, atol=2e-5, rtol=2e-6)
+    np.testing.assert_allclose(got.double().numpy(), want, **tol)
     if scp.applies(x, base, m):
         fused = run(x, base, m)
-        np.testing.assert_allclose(fused.double().numpy(), want, atol=2e-5, rtol=2e-6)
-        torch.testing.assert_close(fused, got, atol=2e-5, rtol=2e-6)
+        np.testing.assert_allclose(fused.double().numpy(), want, **tol)
+        torch.testing.assert_close(fused, got, **tol)
     else:
         assert m > scp.MAX_M
 
@@ -169,7 +172,8 @@ def test_every_implementation_keeps_the_same_tokens_on_ties(seed, vocab, live, m
         )
         assert sorted(kept_torch[i][0].tolist()) == want
         assert sorted(kept_kernel[i, 0].tolist()) == want
-    torch.testing.assert_close(out, naf.scp_delta_r_torch(x, base=base, m=m), atol=2e-5, rtol=2e-6)
+    tol = 5e-5 if vocab > 20000 else 2e-5  # float32 sums of V terms (see above)
+    torch.testing.assert_close(out, naf.scp_delta_r_torch(x, base=base, m=m), atol=tol, rtol=2e-6)
 
 
 def test_ties_keep_the_smallest_ids():
@@ -202,7 +206,9 @@ def test_first_use_measures_logs_once_and_remembers(fresh, caplog):
     want = naf.scp_delta_r_torch(x, base=base, m=10)
     with caplog.at_level(logging.INFO, logger="scpdr.kernels"):
         for _ in range(3):
-            torch.testing.assert_close(naf.scp_delta_r(x, base=base, m=10), want, atol=2e-5, rtol=2e-6)
+            torch.testing.assert_close(
+                naf.scp_delta_r(x, base=base, m=10), want, atol=2e-5, rtol=2e-6
+            )
     lines = [r.getMessage() for r in caplog.records if "SCP-Δr kernel" in r.getMessage()]
     assert len(lines) == 1 and "× torch at K = 2, 4 rows, V = 20000" in lines[0], lines
     assert lines[0].endswith(("kernel used", "torch used"))

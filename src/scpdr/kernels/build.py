@@ -57,6 +57,7 @@ __all__ = [
     "Library",
     "Side",
     "choose",
+    "decisions",
     "default_target",
     "force",
     "interleaved_medians",
@@ -405,3 +406,18 @@ def remembered(lib: Library, shape: str, choice: Choice, *, title: str) -> Choic
             logger.info("%s", _describe(title, lib, choice))
             _STATE.choices[key] = choice
         return _STATE.choices[key]
+
+
+def decisions() -> dict[str, dict[str, object]]:
+    """This process's kernel/torch decisions, for reports: ``{"<kernel> (<isa>, <target>
+    build) <shape class>": {"use_kernel": bool, "speedups": {what: torch/kernel time}}}``."""
+    with _STATE.lock:
+        items = list(_STATE.choices.items())
+    libs = {str(lib.path): lib for lib in _STATE.libraries.values() if lib is not None}
+    out: dict[str, dict[str, object]] = {}
+    for (path, shape), choice in items:
+        lib = libs.get(path)
+        name = f"{lib.name} ({lib.label})" if lib else Path(path).name
+        speedups = {w: round(v, 3) for w, v in choice.speedups.items()}
+        out[f"{name} {shape}"] = {"use_kernel": choice.use_kernel, "speedups": speedups}
+    return out

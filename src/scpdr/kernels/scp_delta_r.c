@@ -2,10 +2,11 @@
    Built, measured against torch and loaded by scpdr/kernels/build.py; scpdr.naf.scp_delta_r
    uses it where it is the faster (scpdr.naf.scp_delta_r_torch is the torch implementation).
 
-   Per row: max and sum-exp of each distribution in one blocked sweep, its floored mean, the
-   smoothing scores p·d block by block into an L1 buffer with a running top-m (blocks whose
-   bound exp(max y)·max d cannot reach the m-th score are skipped), the union U of kept tokens,
-   one output pass. The loops are plain C that the compiler vectorizes for the target ISA
+   Per row: max and sum-exp of each distribution (a constituent's exponentials kept for its
+   scores: one exponential per token and constituent), its floored mean (the base's floored
+   mass without exponentials except where tokens reach the floor), the smoothing scores p·d
+   block by block into an L1 buffer with a running top-m (sub-blocks that cannot reach the
+   m-th score are not scanned), the union U of kept tokens, one output pass. The loops are plain C that the compiler vectorizes for the target ISA
    (#pragma omp simd); the blocking (1024 floats, 8 KiB of scores per block) fits the L1 cache
    of every ISA the package targets, so nothing here depends on the register file.
 
@@ -24,6 +25,7 @@
 
 #define LOG_FLOOR (-20.0f)
 #define BLOCK 1024
+#define SUB 64
 #define MAX_K 16
 #define MAX_M 64
 
@@ -65,8 +67,9 @@ static inline float vexpf(float x) {
 
 /* max and log of sum exp(x - max) of a row, in one sweep: per L1-sized block, its max, then
    its sum against the running max (the sum so far rescaled when the max grows). Sums are float
-   within a block (<= 64 terms a lane) and double across blocks. */
-static void max_logsum(const float *x, int64_t v, float *mx_out, float *logs_out) {
+   within a block (<= 64 terms a lane) and double across blocks. Returns log of the sum in
+   double; *logs_out is it rounded to float. */
+static double max_logsum(const float *x, int64_t v, float *mx_out, float *logs_out) {
     float mx = -INFINITY;
     double s = 0.0;
     for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
@@ -86,83 +89,111 @@ static void max_logsum(const float *x, int64_t v, float *mx_out, float *logs_out
     }
     *mx_out = mx;
     *logs_out = (float)log(s);
+    return log(s);
 }
 
-/* One row's log-sum-exp as mx + logs, the mean of its floored log-probs max(x - lse, LOG_FLOOR)
-   and (z_out, may be NULL) the sum of its floored probabilities max(p, e^LOG_FLOOR) (>= 1). */
-static void row_stats(const float *x, int64_t v, float *mx_out, float *logs_out, float *mean_out,
-                      double *z_out) {
+/* Like max_logsum, with the row's max found first, and e[t] = exp(x[t] - max) stored: the
+   probabilities are then e[t] / sum, a function of x[t] alone (exact ties stay ties). */
+static double max_logsum_store(const float *x, int64_t v, float *e, float *mx_out,
+                               float *logs_out) {
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < v; t++) mx = fmx(mx, x[t]);
+    double s = 0.0;
+    for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
+        const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
+        float bs = 0.0f;
+#pragma omp simd reduction(+ : bs)
+        for (int64_t t = t0; t < t0 + len; t++) {
+            e[t] = vexpf(x[t] - mx);
+            bs += e[t];
+        }
+        s += (double)bs;
+    }
+    *mx_out = mx;
+    *logs_out = (float)log(s);
+    return log(s);
+}
+
+/* One row's log-sum-exp as mx + logs, the mean of its floored log-probs y = max(x - mx - logs,
+   LOG_FLOOR) and (z_out, may be NULL) the sum of its floored probabilities, sum max(p,
+   e^LOG_FLOOR) = sum e^y, from sum p = e^(log s - logs) (the float rounding of logs) and the
+   floored tokens' shortfall, which only blocks reaching the floor compute. e: NULL, or room
+   for the row's exp(x - max) (see max_logsum_store). */
+static void row_stats(const float *x, int64_t v, float *e, float *mx_out, float *logs_out,
+                      float *mean_out, double *z_out) {
     float mx, logs;
-    max_logsum(x, v, &mx, &logs);
-    double acc = 0.0, z = 0.0;
+    const double log_s = e ? max_logsum_store(x, v, e, &mx, &logs) : max_logsum(x, v, &mx, &logs);
+    const float floor_p = vexpf(LOG_FLOOR);
+    double acc = 0.0, short_p = 0.0;
     for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
         const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
         const float *xb = x + t0;
-        float ba = 0.0f, bz = 0.0f;
-        if (z_out) {
-#pragma omp simd reduction(+ : ba, bz)
-            for (int64_t t = 0; t < len; t++) {
-                float y = fmx((xb[t] - mx) - logs, LOG_FLOOR);
-                ba += y;
-                bz += vexpf(y);
-            }
-        } else {
-#pragma omp simd reduction(+ : ba)
-            for (int64_t t = 0; t < len; t++) ba += fmx((xb[t] - mx) - logs, LOG_FLOOR);
+        float ba = 0.0f, bmin = INFINITY;
+#pragma omp simd reduction(+ : ba) reduction(min : bmin)
+        for (int64_t t = 0; t < len; t++) {
+            const float y = (xb[t] - mx) - logs;
+            ba += fmx(y, LOG_FLOOR);
+            bmin = fmn(bmin, y);
         }
         acc += (double)ba;
-        z += (double)bz;
+        if (z_out && bmin < LOG_FLOOR) { /* e^F - p of the floored tokens of this block */
+            float bz = 0.0f;
+#pragma omp simd reduction(+ : bz)
+            for (int64_t t = 0; t < len; t++) {
+                const float y = (xb[t] - mx) - logs;
+                bz += y < LOG_FLOOR ? floor_p - vexpf(y) : 0.0f;
+            }
+            short_p += (double)bz;
+        }
     }
-    if (z_out) *z_out = z;
+    if (z_out) *z_out = exp(log_s - (double)logs) + short_p;
     *mx_out = mx;
     *logs_out = logs;
     *mean_out = (float)(acc / (double)v);
 }
 
-/* The m largest scores p(y)·d(y) of one constituent row, ties to the smaller token id, into
-   idx[0:m] (by decreasing score). y: floored log-probs are max((x - xm) - li, LOG_FLOOR);
-   d = (y - mi) - (yb - mu_b). */
-static void top_m(const float *xi, const float *b, int64_t v, int64_t m, float xm, float li,
-                  float mi, float mx_b, float ls_b, float mu_b, int64_t *idx) {
+/* The m largest scores p·d of one constituent row, ties to the smaller token id, into
+   idx[0:m] (by decreasing score). p = max(e[t]·c, e^LOG_FLOOR) with e[t] = exp(x[t] - xm) and
+   c = 1 / sum (a function of x[t] alone: exact ties stay ties), d = (y - mi) - (yb - mu_b) with
+   y = max((x - xm) - li, LOG_FLOOR) the floored log-probs. */
+static void top_m(const float *xi, const float *e, float c, const float *b, int64_t v,
+                  int64_t m, float xm, float li, float mi, float mx_b, float ls_b, float mu_b,
+                  int64_t *idx) {
+    const float floor_p = vexpf(LOG_FLOOR);
     float best[MAX_M];
     int64_t fill = 0;
     for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
         const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
-        const float *xb = xi + t0, *bb = b + t0;
-        float sc[BLOCK], ds[BLOCK];
-        float ymax = -INFINITY, dmax = -INFINITY;
-#pragma omp simd reduction(max : ymax, dmax)
-        for (int64_t t = 0; t < len; t++) {
-            float y = fmx((xb[t] - xm) - li, LOG_FLOOR);
-            float yb = fmx((bb[t] - mx_b) - ls_b, LOG_FLOOR);
-            float d = (y - mi) - (yb - mu_b);
-            sc[t] = y;
-            ds[t] = d;
-            ymax = fmx(ymax, y);
-            dmax = fmx(dmax, d);
-        }
-        if (fill == m) { /* skip a block none of whose scores p*d can enter the top m */
-            float bound = dmax > 0.0f ? vexpf(ymax) * dmax * 1.0001f : dmax * 2.0e-9f;
-            if (!(bound > best[m - 1])) continue;
-        }
+        const float *xb = xi + t0, *bb = b + t0, *eb = e + t0;
+        float sc[BLOCK];
         float smax = -INFINITY;
 #pragma omp simd reduction(max : smax)
         for (int64_t t = 0; t < len; t++) {
-            sc[t] = vexpf(sc[t]) * ds[t];
+            const float y = fmx((xb[t] - xm) - li, LOG_FLOOR);
+            const float yb = fmx((bb[t] - mx_b) - ls_b, LOG_FLOOR);
+            sc[t] = fmx(eb[t] * c, floor_p) * ((y - mi) - (yb - mu_b));
             smax = fmx(smax, sc[t]);
         }
         if (fill == m && !(smax > best[m - 1])) continue; /* nothing to insert */
-        for (int64_t t = 0; t < len; t++) {
-            float sv = sc[t];
-            if (fill == m && !(sv > best[m - 1])) continue; /* a tie keeps the earlier token */
-            int64_t j = fill < m ? fill++ : m - 1;
-            while (j > 0 && best[j - 1] < sv) { /* after the equal scores already kept */
-                best[j] = best[j - 1];
-                idx[j] = idx[j - 1];
-                j--;
+        for (int64_t s0 = 0; s0 < len; s0 += SUB) { /* only sub-blocks reaching the top m */
+            const int64_t sl = len - s0 < SUB ? len - s0 : SUB;
+            float cm = -INFINITY;
+#pragma omp simd reduction(max : cm)
+            for (int64_t t = s0; t < s0 + sl; t++) cm = fmx(cm, sc[t]);
+            if (fill == m && !(cm > best[m - 1])) continue;
+            for (int64_t t = s0; t < s0 + sl; t++) {
+                const float sv = sc[t];
+                if (fill == m && !(sv > best[m - 1])) continue; /* a tie keeps the earlier token */
+                int64_t j = fill < m ? fill++ : m - 1;
+                while (j > 0 && best[j - 1] < sv) { /* after the equal scores already kept */
+                    best[j] = best[j - 1];
+                    idx[j] = idx[j - 1];
+                    j--;
+                }
+                best[j] = sv;
+                idx[j] = t0 + t;
             }
-            best[j] = sv;
-            idx[j] = t0 + t;
         }
     }
 }
@@ -187,25 +218,28 @@ int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v,
     if (m > MAX_M || k > MAX_K || m < 1 || k < 1 || m >= v) return -1;
     kept_t *pairs = malloc(sizeof(kept_t) * (size_t)(k * m));
     float *ug = malloc(sizeof(float) * (size_t)(k * m));
-    if (!pairs || !ug) {
+    float *e = malloc(sizeof(float) * (size_t)v); /* one constituent's exp(x - max) */
+    if (!pairs || !ug || !e) {
         free(pairs);
         free(ug);
+        free(e);
         return -2;
     }
     float mx_b0 = 0.0f, ls_b0 = 0.0f, mu_b0 = 0.0f;
     double zb0 = 0.0;
-    if (base_rows == 1) row_stats(base, v, &mx_b0, &ls_b0, &mu_b0, &zb0); /* once for all rows */
+    if (base_rows == 1) row_stats(base, v, NULL, &mx_b0, &ls_b0, &mu_b0, &zb0); /* once for all rows */
     for (int64_t row = 0; row < n; row++) {
         const float *b = base + (base_rows == 1 ? 0 : row * v);
         float mx_b = mx_b0, ls_b = ls_b0, mu_b = mu_b0;
         double z_base = zb0;
-        if (base_rows != 1) row_stats(b, v, &mx_b, &ls_b, &mu_b, &z_base);
+        if (base_rows != 1) row_stats(b, v, NULL, &mx_b, &ls_b, &mu_b, &z_base);
         float mx[MAX_K], ls[MAX_K], mu[MAX_K], c[MAX_K];
         int64_t idx[MAX_K][MAX_M];
         for (int64_t i = 0; i < k; i++) {
             const float *xi = x + (i * n + row) * v;
-            row_stats(xi, v, &mx[i], &ls[i], &mu[i], NULL);
-            top_m(xi, b, v, m, mx[i], ls[i], mu[i], mx_b, ls_b, mu_b, idx[i]);
+            row_stats(xi, v, e, &mx[i], &ls[i], &mu[i], NULL);
+            const float c_i = (float)(1.0 / exp((double)ls[i]));
+            top_m(xi, e, c_i, b, v, m, mx[i], ls[i], mu[i], mx_b, ls_b, mu_b, idx[i]);
             double dsum = 0.0;
             for (int64_t j = 0; j < m; j++) {
                 const int64_t t = idx[i][j];
@@ -263,5 +297,6 @@ int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v,
     }
     free(pairs);
     free(ug);
+    free(e);
     return 0;
 }
