@@ -85,9 +85,11 @@ def lattice(grid: Tensor) -> tuple[float, Tensor] | None:
 
 
 def _check(
-    logps: Tensor | Sequence[Tensor], path_logprobs: Tensor | float
+    logps: Tensor | Sequence[Tensor], path_logprobs: Tensor | float, *, use_scratch: bool = False
 ) -> tuple[Tensor, Tensor, tuple[int, ...], int]:
-    """``(lp (2, B, V) floored normalized, path (B, 2), batch shape, V)``."""
+    """``(lp (2, B, V) floored normalized, path (B, 2), batch shape, V)``; with
+    ``use_scratch`` lp is a scratch view (no fresh tensor: its page faults cost more than the
+    arithmetic here), which no other scratch user may overwrite before it is used up."""
     x = check_logps(logps, "cp-fuse", min_k=2)
     if x.shape[0] != 2:
         raise ValueError(f"cp_fuse_step fuses exactly K = 2 constituents, got K = {x.shape[0]}")
@@ -100,26 +102,36 @@ def _check(
             f"cp_fuse_step: path_logprobs shape {tuple(path.shape)} does not broadcast to "
             f"(2, *batch) = {(2, *batch)}"
         ) from None
-    lp = normalized(x).reshape(2, -1, vocab)  # (2, B, V)
+    lp = normalized(x, use_scratch=use_scratch).reshape(2, -1, vocab)  # (2, B, V)
     return lp, path.reshape(2, -1).t(), batch, vocab
 
 
-def _fused(lp: Tensor, weights: Tensor, batch: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """``(log r, weights)`` reshaped to the batch: ``log r = log_softmax(b1 l1 + b2 l2)``."""
+def _fused(
+    lp: Tensor, weights: Tensor, batch: tuple[int, ...], *, in_place: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(log r, weights)`` reshaped to the batch: ``log r = log_softmax(b1 l1 + b2 l2)``
+    (``in_place``: ``b1 l1 + b2 l2`` written over ``lp[0]``)."""
     vocab = lp.shape[-1]
-    z = weights[:, 0:1] * lp[0] + weights[:, 1:2] * lp[1]  # (B, V)
+    w1, w2 = weights[:, 0:1].to(lp.dtype), weights[:, 1:2].to(lp.dtype)
+    if in_place:
+        z = lp[0].mul_(w1).addcmul_(lp[1], w2)  # (B, V)
+    else:
+        z = w1 * lp[0] + w2 * lp[1]
     return torch.log_softmax(z, dim=-1).reshape(*batch, vocab), weights.reshape(*batch, 2)
 
 
-def _grid_argmin(lp: Tensor, path_b: Tensor, g: Tensor, chunk_elements: int | None) -> Tensor:
-    """Index of the best grid point per row by materializing each point's distribution."""
+def _grid_argmin(
+    lp: Tensor, path_b: Tensor, g: Tensor, chunk_elements: int | None, *, use_scratch: bool = True
+) -> Tensor:
+    """Index of the best grid point per row by materializing each point's distribution (in the
+    scratch buffer with ``use_scratch``, which ``lp`` must then not be a view of)."""
     nb, vocab = lp.shape[1], lp.shape[2]
     lpb = lp.transpose(0, 1).contiguous()  # (B, 2, V)
     lpt = lpb.transpose(1, 2)  # (B, V, 2)
     path_b = path_b.unsqueeze(1)  # (B, 1, 2)
     per = max(1, (chunk_elements or CP_FUSE_CHUNK_ELEMENTS) // max(1, nb * vocab))
     chunk = min(g.shape[0], per)
-    (buf,) = scratch([(nb * chunk * vocab,)], lp)
+    (buf,) = scratch([(nb * chunk * vocab,)], lp) if use_scratch else (None,)
     if buf is None:
         buf = torch.empty(nb * chunk * vocab, device=lp.device)
     best_obj = torch.full((nb,), math.inf, device=lp.device)
@@ -196,24 +208,23 @@ def cp_fuse_step(
     Returns ``(log_r, weights)``: ``Tensor[*batch, V]`` normalized log-probs and the chosen
     ``Tensor[*batch, 2]`` weights.
     """
-    lp, path_b, batch, _ = _check(logps, path_logprobs)
-    g = _as_grid(grid).to(lp.device)
-    found = lattice(g)
+    x = check_logps(logps, "cp-fuse", min_k=2)
+    g = _as_grid(grid).to(x.device)
+    found = lattice(g) if x.device.type == "cpu" else None
     if found is not None:
         step, exps = found
         ni, nj = int(exps[:, 0].max()) + 1, int(exps[:, 1].max()) + 1
+        lp, path_b, batch, _ = _check(x, path_logprobs, use_scratch=True)
 
         def by_stats(rows: Tensor, lib: kernels.Library) -> Tensor:
             stats = kernels.cp_fuse.run(lib, rows, step, ni, nj)
             return _lattice_argmin(stats, path_b[: rows.shape[1]], step, exps)
 
-        lib = kernels.cp_fuse.chosen(
-            lp,
-            ni,
-            nj,
-            kernel_impl=by_stats,
-            torch_impl=lambda rows: _grid_argmin(rows, path_b[: rows.shape[1]], g, None),
-        )
+        def by_grid(rows: Tensor) -> Tensor:  # the first call's measurement: lp is scratch
+            return _grid_argmin(rows, path_b[: rows.shape[1]], g, None, use_scratch=False)
+
+        lib = kernels.cp_fuse.chosen(lp, ni, nj, kernel_impl=by_stats, torch_impl=by_grid)
         if lib is not None:
-            return _fused(lp, g[by_stats(lp, lib)], batch)
+            return _fused(lp, g[by_stats(lp, lib)], batch, in_place=True)
+    lp, path_b, batch, _ = _check(x, path_logprobs)
     return _fused(lp, g[_grid_argmin(lp, path_b, g, None)], batch)
