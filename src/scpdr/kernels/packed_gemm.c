@@ -61,6 +61,14 @@
 #define MR 4
 #define ISA_NAME "generic"
 #endif
+#ifdef SCPDR_TILE_MR /* other tiles, for benchmarks/bench_kernels.py to time */
+#undef MR
+#define MR SCPDR_TILE_MR
+#endif
+#ifdef SCPDR_TILE_NV
+#undef NV
+#define NV SCPDR_TILE_NV
+#endif
 #define LANES (VBYTES / 4)
 #define NR (NV * LANES)
 #define X_CHUNK_BYTES (192 * 1024)
@@ -111,15 +119,41 @@ static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const 
     case R: tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
     switch (mr) { /* a constant row count per case: the accumulators stay in registers */
 #if MR >= 12
-        TILE(12) TILE(11) TILE(10) TILE(9)
+        TILE(12)
+#endif
+#if MR >= 11
+        TILE(11)
+#endif
+#if MR >= 10
+        TILE(10)
+#endif
+#if MR >= 9
+        TILE(9)
 #endif
 #if MR >= 8
-        TILE(8) TILE(7)
+        TILE(8)
+#endif
+#if MR >= 7
+        TILE(7)
 #endif
 #if MR >= 6
-        TILE(6) TILE(5)
+        TILE(6)
 #endif
-        TILE(4) TILE(3) TILE(2) TILE(1)
+#if MR >= 5
+        TILE(5)
+#endif
+#if MR >= 4
+        TILE(4)
+#endif
+#if MR >= 3
+        TILE(3)
+#endif
+#if MR >= 2
+        TILE(2)
+#endif
+#if MR >= 1
+        TILE(1)
+#endif
     default: break;
     }
 #undef TILE
