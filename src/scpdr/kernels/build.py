@@ -283,11 +283,11 @@ def load(
     loaded and ``configure``-d (argument types; returns the ISA the library reports), once per
     process; or None with a warning (once) naming ``what`` failed (no compiler, a failed
     build). ``openmp``: see :func:`_open`."""
-    target = _check_target(target or default_target())
-    key = (name, target)
+    key = (name, target or default_target())
     lib = _STATE.libraries.get(key, _MISSING)  # the common case, per layer and step: no lock
     if lib is not _MISSING:
         return lib  # type: ignore[return-value]
+    target = _check_target(key[1])
     with _STATE.lock:
         if key in _STATE.libraries:
             return _STATE.libraries[key]

@@ -67,7 +67,7 @@ def _configure(lib: ctypes.CDLL) -> str:
     return lib.scpdr_gemm_isa().decode()
 
 
-_WRAPPED: dict[str, GemmLibrary] = {}
+_WRAPPED: dict[int, GemmLibrary] = {}
 
 
 def library(target: str | None = None) -> GemmLibrary | None:
@@ -84,10 +84,10 @@ def library(target: str | None = None) -> GemmLibrary | None:
     )
     if lib is None:
         return None
-    found = _WRAPPED.get(str(lib.path))
+    found = _WRAPPED.get(id(lib))  # per layer and step: a dict lookup
     if found is None or found.lib is not lib:
         found = GemmLibrary(lib, int(lib.cdll.scpdr_panel_width()), int(lib.cdll.scpdr_tile_rows()))
-        _WRAPPED[str(lib.path)] = found
+        _WRAPPED[id(lib)] = found
     return found
 
 
