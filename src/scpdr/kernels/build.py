@@ -63,6 +63,7 @@ __all__ = [
     "interleaved_medians",
     "load",
     "policy",
+    "remembered",
     "reset",
     "using_target",
 ]
