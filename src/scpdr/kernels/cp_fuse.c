@@ -15,6 +15,11 @@
    (120 with the default grid, which made the grid search cost ~1 decode step at batch 8).
    Blocks of BLOCK tokens: the powers into an L1/L2-sized buffer, then a register tile of TI x TQ
    dot products (by ISA, as in packed_gemm.c), float within a block, double across blocks. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* GCC's Zen tuning (what -march=native implies on this AMD EPYC) made this file ~12% slower
+   than its generic tuning (5.4 vs 4.7 ms for 8 rows of 49152 tokens; docs/performance.md) */
+#pragma GCC target("tune=generic")
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
