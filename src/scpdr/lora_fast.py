@@ -158,7 +158,7 @@ def read_lora_adapter(path: str | os.PathLike[str]) -> LoraAdapter:
     LoRA this module can stack (see the module docstring), FileNotFoundError when files are
     missing.
     """
-    from scpdr.models import _adapter_base_ref
+    from scpdr.models import adapter_base_ref
 
     d = Path(os.fspath(path))
     cfg_file = d / "adapter_config.json"
@@ -213,7 +213,7 @@ def read_lora_adapter(path: str | os.PathLike[str]) -> LoraAdapter:
         modules[name] = (ma, mb, alpha / math.sqrt(r) if rslora else alpha / r)
     if not modules:
         raise UnsupportedAdapterError(f"{d} holds no LoRA matrices")
-    return LoraAdapter(d, _adapter_base_ref(d), modules, extra)
+    return LoraAdapter(d, adapter_base_ref(d), modules, extra)
 
 
 def _load_adapter_tensors(d: Path) -> dict[str, Tensor]:
@@ -909,7 +909,7 @@ def stacked_from_bundle(
     group must be a LoRA adapter over one common base or that base itself.
     """
     from scpdr import naf
-    from scpdr.models import _ref_kind, load_model
+    from scpdr.models import load_model, ref_kind
 
     def off(reason: str) -> None:
         logger.info("LoRA fast path off for bundle %s: %s; using the general path", path, reason)
@@ -931,7 +931,7 @@ def stacked_from_bundle(
     adapters: list[LoraAdapter | None] = []
     for ref, name in zip(refs, names, strict=True):
         try:
-            kind = _ref_kind(ref)
+            kind = ref_kind(ref)
         except FileNotFoundError as exc:
             off(str(exc))
             return None
