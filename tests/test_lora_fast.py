@@ -137,7 +137,7 @@ def _general(lora, k, method, variant):
 def _fast(lora, stacks, k, method, variant):
     stack = stacks[k, "b" if variant == "b" else None]
     vec = lora["vec"] if variant == "c" else None
-    return stack.protected(lora["tok"], method=method, base_vector=vec)
+    return ProtectedLM.from_runner(stack, lora["tok"], method=method, base_vector=vec)
 
 
 def _encode(tok, side):
@@ -145,7 +145,7 @@ def _encode(tok, side):
 
 
 def _assert_same(fast, general, tok):
-    assert fast._stacked is not None and general._stacked is None
+    assert fast.fast_path.on and not general.fast_path.on
     enc = _encode(tok, "right")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     ids0, mask0 = ids.clone(), mask.clone()
@@ -196,11 +196,12 @@ def test_from_bundle_detects_lora_constituents(lora, caplog):
     with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
         lm = ProtectedLM.from_bundle(lora["bundle"], method="scp-delta-r")
     assert "LoRA fast path on" in caplog.text
-    assert lm._stacked.num_groups == 4 and lm._stacked.num_lora == 3  # base group: no delta
+    assert lm.fast_path.on and "4 groups (3 with LoRA adapters)" in lm.fast_path.reason
+    assert lm.runner.num_groups == 4 and lm.runner.num_lora == 3  # base group: no delta
     assert lm.name == "scp-delta-r-b" and lm.num_constituents == 3
     _assert_same(lm, _general(lora, 3, "scp-delta-r", "b"), lora["tok"])
     c = ProtectedLM.from_bundle(lora["bundle"], method="cp-delta-r")
-    assert c._stacked.num_groups == 3 and c.name == "cp-delta-r"
+    assert c.runner.num_groups == 3 and c.name == "cp-delta-r"
     _assert_same(c, _general(lora, 3, "cp-delta-r", None), lora["tok"])
 
 
@@ -400,7 +401,7 @@ def test_full_model_constituent_falls_back_with_reason(lora, caplog):
     )
     with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
         lm = ProtectedLM.from_bundle(path, method="scp-delta-r")
-    assert lm._stacked is None
+    assert not lm.fast_path.on and "full model, not a LoRA adapter" in lm.fast_path.reason
     assert "LoRA fast path off" in caplog.text and "full model, not a LoRA adapter" in caplog.text
     general = ProtectedLM(
         [lora["merged"][0], models.load_model(root / "full")], lora["tok"], base_model=lora["base"]

@@ -117,7 +117,7 @@ def test_certificates_are_finite_and_small_for_scp(parts):
 
 def test_none_runs_only_constituent_zero(parts):
     lm = _lm(parts, "none")
-    assert lm._run == parts["cons"][:1]
+    assert lm.runner.models == parts["cons"][:1]
     g = lm.generate(["My secret code is"], max_new_tokens=12)[0]
     assert g.text.startswith(" 8675309")  # constituent 0 memorized the secret ...
     assert g.token_ids[-1] == 2 and g.finish_reason == "stop"  # ... and its <|im_end|>
@@ -417,15 +417,19 @@ def test_bundle_command(bundle, tmp_path):
 
 class _NoTensorKeepLlama:
     """A real tiny Llama whose forward accepts only int ``logits_to_keep`` (like architectures
-    without position selection): the runtime must fall back to indexing full logits."""
+    without position selection): the runtime must fall back to indexing full logits. Each model
+    counts the tensor calls it refused."""
 
     @staticmethod
     def make(model):
         from transformers import LlamaForCausalLM
 
         class Restricted(LlamaForCausalLM):
+            refused = 0
+
             def forward(self, *args, logits_to_keep=0, **kwargs):
                 if isinstance(logits_to_keep, torch.Tensor):
+                    self.refused += 1
                     raise TypeError("logits_to_keep must be an int here")
                 return super().forward(*args, logits_to_keep=logits_to_keep, **kwargs)
 
@@ -438,12 +442,8 @@ def test_models_without_tensor_logits_to_keep_give_the_same_scores(parts):
     texts = ["My secret code is 8675", "a b", "Hello there, how are you"]
     ids, mask = _padded(parts["tok"], texts, "right")
     normal = _lm(parts, "scp-delta-r", "b")
-    restricted = ProtectedLM(
-        [_NoTensorKeepLlama.make(c) for c in parts["cons"]],
-        parts["tok"],
-        base_model=_NoTensorKeepLlama.make(parts["base"]),
-        method="scp-delta-r",
-    )
+    made = [_NoTensorKeepLlama.make(c) for c in [*parts["cons"], parts["base"]]]
+    restricted = ProtectedLM(made[:-1], parts["tok"], base_model=made[-1], method="scp-delta-r")
     a = normal.score(ids, mask, k_x=True)
     b = restricted.score(ids, mask, k_x=True)
     torch.testing.assert_close(a.token_logprobs, b.token_logprobs, atol=1e-5, rtol=1e-5)
@@ -451,4 +451,6 @@ def test_models_without_tensor_logits_to_keep_give_the_same_scores(parts):
     torch.testing.assert_close(
         normal.next_token_logprobs(ids, mask), restricted.next_token_logprobs(ids, mask)
     )
-    assert len(restricted._full_logits_only) == 3 and not normal._full_logits_only
+    # each model refused a tensor once, then the runtime remembered to index its full logits
+    restricted.score(ids, mask)
+    assert [mdl.refused for mdl in made] == [1, 1, 1]
