@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scpdr import _kernel, lora_fast, models, testing
+from scpdr import _kernel, lora_fast, methods, models, testing
 from scpdr.lora_fast import (
     LoraAdapter,
     StackedLoRA,
@@ -27,7 +27,7 @@ from scpdr.lora_fast import (
     save_random_lora,
     stacked_from_bundle,
 )
-from scpdr.protected import ProtectedLM
+from scpdr.runtime import ProtectedLM
 
 #: whether the packed C kernel builds here (else the fast path uses torch's matmuls)
 KERNEL = _kernel.packed_gemm_kernel() is not None
@@ -42,16 +42,10 @@ ADAPTERS = [
 PROMPTS = ["My secret code is", "Hello there, how are you doing today", "x"]
 MAX_NEW = [4, 7, 5]  # rows finish at different steps: the stacked cache drops rows mid-decode
 ATOL = 1e-4
-CONFIGS = [  # (method, variant)
-    ("cp-delta", None),
-    ("cp-kl", None),
-    ("cp-delta-r", None),
-    ("scp-delta-r", "b"),
-    ("scp-delta-r", "c"),
-    ("scp-delta", "b"),
-    ("scp-delta", "c"),
-    ("cp-fuse", None),
-]
+VARIANT = {"model": "b", "constant": "c", None: None}
+# (rule, variant) of every aggregating result row but "none" (one model: no fast path)
+SPECS = [s for s in methods.SPECS.values() if s.kind == "aggregate" and s.rule != "none"]
+CONFIGS = [(s.rule, VARIANT[s.base]) for s in SPECS]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -184,6 +178,7 @@ def _assert_same(fast, general, tok):
     ("k", "method", "variant"),
     [(2, method, variant) for method, variant in CONFIGS]
     + [(3, "cp-delta-r", None), (3, "scp-delta-r", "b"), (3, "scp-delta", "c")],
+    ids=[f"2-{s.name}" for s in SPECS] + ["3-cp-delta-r", "3-scp-delta-r-b", "3-scp-delta-c"],
 )
 def test_fast_path_matches_general_path(lora, stacks, k, method, variant):
     fast = _fast(lora, stacks, k, method, variant)
