@@ -5,12 +5,15 @@ Sampling draws from ``r^(1/temperature)`` restricted to the top-k tokens and the
 temperature 0 is greedy (argmax of r). The served log-probs and the certificate are always those
 of r itself (before temperature, top-k, top-p): the NAF guarantee is about r (Def. 2.1).
 
-Batched: every row's temperature, top-k threshold and nucleus are applied to the whole
-``(B, V)`` batch at once (one sort at most). Only the random draw stays per row, because each
-row has its own ``torch.Generator`` (a row's tokens depend on its seed alone, never on the rest
-of its batch): the draw is ``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn from the row's
-generator, which is exactly what ``torch.multinomial(probs, 1, generator=g)`` computes, so the
-samples equal those of the former per-row loop token for token (tested).
+Batched: every row's temperature, top-k threshold and top-p nucleus are applied to the whole
+``(B, V)`` batch at once, and the nucleus is found among the most likely candidates
+(``torch.topk``, widened until it holds top_p of the mass) instead of a sort of all V logits of
+every row. Only the random draw stays per row, because each row has its own ``torch.Generator``
+(a row's tokens depend on its seed alone, never on the rest of its batch): it is
+``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn from the row's generator, which is exactly what
+``torch.multinomial(probs, 1, generator=g)`` computes. A seed therefore gives the tokens the
+former per-row sampler gave (tested token for token); only a nucleus boundary within float
+rounding of top_p could fall the other way.
 """
 
 from __future__ import annotations
@@ -189,35 +192,51 @@ def sample(
     sel = torch.tensor(rows, dtype=torch.long, device=dev)
     ps = [params[j] for j in rows]
     temp = torch.tensor([p.temperature for p in ps], device=dev).unsqueeze(-1)  # (S, 1)
-    logits = log_r.float().index_select(0, sel) / temp  # (S, V)
+    logits = log_r.float().index_select(0, sel).div_(temp)  # (S, V), our own copy
     vocab = logits.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
+    if any(ks):
+        kt = torch.tensor(ks, device=dev).unsqueeze(-1)  # (S, 1)
+        top = torch.topk(logits, max(ks), dim=-1).values  # (S, kmax), sorted
+        kth = top.gather(-1, (kt - 1).clamp_min(0))  # (S, 1): the k-th largest value
+        logits.masked_fill_(logits < kth.masked_fill(kt == 0, -math.inf), -math.inf)
     nucleus = [p.top_p < 1.0 for p in ps]
     if any(nucleus):
-        sorted_l, order = torch.sort(logits, dim=-1, descending=True)  # (S, V)
-    if any(ks):
-        if any(nucleus):
-            kth_all = sorted_l
-        else:
-            kth_all = torch.topk(logits, max(ks), dim=-1).values  # (S, kmax)
-        idx = torch.tensor([max(k - 1, 0) for k in ks], device=dev).unsqueeze(-1)
-        kth = kth_all.gather(-1, idx)  # (S, 1): the k-th largest value
-        kth = kth.masked_fill(torch.tensor(ks, device=dev).unsqueeze(-1) == 0, -math.inf)
-        logits = logits.masked_fill(logits < kth, -math.inf)
-        if any(nucleus):  # the sorted values after the top-k cut (same order)
-            sorted_l = sorted_l.masked_fill(sorted_l < kth, -math.inf)
-    if any(nucleus):
         top_p = torch.tensor([p.top_p for p in ps], device=dev).unsqueeze(-1)  # (S, 1)
-        probs = torch.softmax(sorted_l, dim=-1)
-        cum = probs.cumsum(-1)
-        # keep the smallest prefix with mass >= top_p (rows without a nucleus keep everything)
-        drop_sorted = ((cum - probs) >= top_p) & torch.tensor(nucleus, device=dev).unsqueeze(-1)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, -math.inf)
+        on = torch.tensor(nucleus, device=dev).unsqueeze(-1)  # (S, 1)
+        _nucleus(logits, top_p, on)
     probs = torch.softmax(logits, dim=-1).cpu()  # (S, V)
     # torch.multinomial(p, 1, generator=g) is argmax(p / E), E ~ Exp(1) from g: the same draw
-    noise = torch.stack(
-        [torch.empty(vocab).exponential_(1.0, generator=generators[j]) for j in rows]
-    )  # (S, V)
-    picked = (probs / noise).argmax(-1).to(dev)  # (S,)
-    return tokens.index_copy(0, sel, picked)
+    # (one row at a time: each row's generator, and the row stays in cache)
+    picked = torch.empty(len(rows), dtype=torch.long)  # (S,)
+    for i, j in enumerate(rows):
+        noise = torch.empty(vocab).exponential_(1.0, generator=generators[j])  # (V,)
+        picked[i] = torch.div(probs[i], noise, out=noise).argmax()
+    return tokens.index_copy(0, sel, picked.to(dev))
+
+
+#: Candidates the nucleus search starts with (multiplied by 8 until every nucleus fits).
+NUCLEUS_CANDIDATES = 64
+
+
+def _nucleus(logits: Tensor, top_p: Tensor, on: Tensor) -> None:
+    """Set every token of ``logits`` ``(S, V)`` outside its row's top-p nucleus to -inf, in
+    place (rows where ``on`` ``(S, 1)`` is False are left alone).
+
+    The nucleus is the smallest set of most likely tokens with mass >= top_p: a token is kept
+    when the mass of the tokens before it (sorted by probability) is < top_p. It is searched
+    among the top-n candidates (n = 64, then 8x more until each row's candidates hold top_p of
+    its mass; the whole vocabulary at worst), instead of sorting all V logits of every row.
+    """
+    vocab = logits.shape[-1]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (S, 1)
+    n = min(NUCLEUS_CANDIDATES, vocab)
+    while True:
+        vals, idx = torch.topk(logits, n, dim=-1)  # (S, n), most likely first
+        probs = (vals - lse).exp()
+        cum = probs.cumsum(-1)
+        if n == vocab or bool(((cum[:, -1:] >= top_p) | ~on).all()):
+            break
+        n = min(n * 8, vocab)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, idx, (cum - probs) < top_p)
+    logits.masked_fill_(on & ~keep, -math.inf)
