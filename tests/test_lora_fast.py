@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scpdr import kernels, lora_fast, models, testing
+from scpdr import kernels, lora_fast, methods, models, testing
 from scpdr.kernels.gemm import pack_panels, unpack_panels
 from scpdr.lora_fast import (
     LoraAdapter,
@@ -28,7 +28,7 @@ from scpdr.lora_fast import (
     save_random_lora,
     stacked_from_bundle,
 )
-from scpdr.protected import ProtectedLM
+from scpdr.runtime import ProtectedLM
 
 #: the packed C kernel, where it builds here with a register tile for this ISA (else the fast
 #: path uses torch's matmuls); the tests below force it on where they test it
@@ -45,16 +45,10 @@ ADAPTERS = [
 PROMPTS = ["My secret code is", "Hello there, how are you doing today", "x"]
 MAX_NEW = [4, 7, 5]  # rows finish at different steps: the stacked cache drops rows mid-decode
 ATOL = 1e-4
-CONFIGS = [  # (method, variant)
-    ("cp-delta", None),
-    ("cp-kl", None),
-    ("cp-delta-r", None),
-    ("scp-delta-r", "b"),
-    ("scp-delta-r", "c"),
-    ("scp-delta", "b"),
-    ("scp-delta", "c"),
-    ("cp-fuse", None),
-]
+VARIANT = {"model": "b", "constant": "c", None: None}
+# (rule, variant) of every aggregating result row but "none" (one model: no fast path)
+SPECS = [s for s in methods.SPECS.values() if s.kind == "aggregate" and s.rule != "none"]
+CONFIGS = [(s.rule, VARIANT[s.base]) for s in SPECS]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -140,7 +134,7 @@ def _general(lora, k, method, variant):
 def _fast(lora, stacks, k, method, variant):
     stack = stacks[k, "b" if variant == "b" else None]
     vec = lora["vec"] if variant == "c" else None
-    return stack.protected(lora["tok"], method=method, base_vector=vec)
+    return ProtectedLM.from_runner(stack, lora["tok"], method=method, base_vector=vec)
 
 
 def _encode(tok, side):
@@ -148,7 +142,7 @@ def _encode(tok, side):
 
 
 def _assert_same(fast, general, tok):
-    assert fast._stacked is not None and general._stacked is None
+    assert fast.fast_path.on and not general.fast_path.on
     enc = _encode(tok, "right")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     ids0, mask0 = ids.clone(), mask.clone()
@@ -187,6 +181,7 @@ def _assert_same(fast, general, tok):
     ("k", "method", "variant"),
     [(2, method, variant) for method, variant in CONFIGS]
     + [(3, "cp-delta-r", None), (3, "scp-delta-r", "b"), (3, "scp-delta", "c")],
+    ids=[f"2-{s.name}" for s in SPECS] + ["3-cp-delta-r", "3-scp-delta-r-b", "3-scp-delta-c"],
 )
 def test_fast_path_matches_general_path(lora, stacks, k, method, variant):
     fast = _fast(lora, stacks, k, method, variant)
@@ -199,11 +194,12 @@ def test_from_bundle_detects_lora_constituents(lora, caplog):
     with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
         lm = ProtectedLM.from_bundle(lora["bundle"], method="scp-delta-r")
     assert "LoRA fast path on" in caplog.text
-    assert lm._stacked.num_groups == 4 and lm._stacked.num_lora == 3  # base group: no delta
+    assert lm.fast_path.on and "4 groups (3 with LoRA adapters)" in lm.fast_path.reason
+    assert lm.runner.num_groups == 4 and lm.runner.num_lora == 3  # base group: no delta
     assert lm.name == "scp-delta-r-b" and lm.num_constituents == 3
     _assert_same(lm, _general(lora, 3, "scp-delta-r", "b"), lora["tok"])
     c = ProtectedLM.from_bundle(lora["bundle"], method="cp-delta-r")
-    assert c._stacked.num_groups == 3 and c.name == "cp-delta-r"
+    assert c.runner.num_groups == 3 and c.name == "cp-delta-r"
     _assert_same(c, _general(lora, 3, "cp-delta-r", None), lora["tok"])
 
 
@@ -408,7 +404,7 @@ def test_full_model_constituent_falls_back_with_reason(lora, caplog):
     )
     with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
         lm = ProtectedLM.from_bundle(path, method="scp-delta-r")
-    assert lm._stacked is None
+    assert not lm.fast_path.on and "full model, not a LoRA adapter" in lm.fast_path.reason
     assert "LoRA fast path off" in caplog.text and "full model, not a LoRA adapter" in caplog.text
     general = ProtectedLM(
         [lora["merged"][0], models.load_model(root / "full")], lora["tok"], base_model=lora["base"]

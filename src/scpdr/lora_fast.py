@@ -84,6 +84,7 @@ __all__ = [
     "StackedLoraLinear",
     "UnsupportedAdapterError",
     "checkpoint_weight_source",
+    "fast_path_from_bundle",
     "new_stacked_cache",
     "pack_panels",
     "read_lora_adapter",
@@ -163,7 +164,7 @@ def read_lora_adapter(path: str | os.PathLike[str]) -> LoraAdapter:
     LoRA this module can stack (see the module docstring), FileNotFoundError when files are
     missing.
     """
-    from scpdr.models import _adapter_base_ref
+    from scpdr.models import adapter_base_ref
 
     d = Path(os.fspath(path))
     cfg_file = d / "adapter_config.json"
@@ -218,7 +219,7 @@ def read_lora_adapter(path: str | os.PathLike[str]) -> LoraAdapter:
         modules[name] = (ma, mb, alpha / math.sqrt(r) if rslora else alpha / r)
     if not modules:
         raise UnsupportedAdapterError(f"{d} holds no LoRA matrices")
-    return LoraAdapter(d, _adapter_base_ref(d), modules, extra)
+    return LoraAdapter(d, adapter_base_ref(d), modules, extra)
 
 
 def _load_adapter_tensors(d: Path) -> dict[str, Tensor]:
@@ -495,44 +496,19 @@ class StackedLoRA:
         finally:
             self._mode.stacked, self._mode.single = old
 
-    def protected(
-        self,
-        tokenizer: Any,
-        *,
-        method: str = "scp-delta-r",
-        m: int = 10,
-        base_vector: Tensor | None = None,
-    ) -> Any:
-        """A :class:`scpdr.protected.ProtectedLM` over these groups with the fast path on.
+    #: The runner protocol (``scpdr.runtime.runner.ModelRunner``): one forward of the shared base
+    #: serves every group.
+    shared_base = True
 
-        For an SCP method without ``base_vector`` (variant 'b') the last group is the base and
-        the others the constituents; otherwise every group is a constituent. Raises ValueError
-        when the groups do not match what the method runs ("none" runs one model: use
-        ``ProtectedLM.from_model(view, tokenizer)`` instead).
-        """
-        from scpdr import naf
-        from scpdr.protected import ProtectedLM
-
-        if method == "none":
-            raise ValueError("method 'none' runs one model; use ProtectedLM.from_model(view, tok)")
-        scp_b = method in naf.SCP_METHODS and base_vector is None
-        if scp_b and self.num_groups < 3:
-            raise ValueError(f"{method}-b needs >= 2 constituents plus the base group")
-        cons = self.views[:-1] if scp_b else self.views
-        lm = ProtectedLM(
-            cons,
-            tokenizer,
-            base_model=self.views[-1] if scp_b else None,
-            base_vector=base_vector,
-            method=method,
-            m=m,
-            names=[v.name for v in cons],
-        )
-        lm._stacked = self
-        return lm
+    @property
+    def models(self) -> list[LoraGroupView]:
+        """The groups as models, in run order (the runner protocol's ``models``): a
+        ``ProtectedLM`` holds them as its constituents (and base, last, for SCP-Δr-b); build one
+        with ``scpdr.runtime.ProtectedLM.from_runner(stack, tokenizer, method=...)``."""
+        return self.views
 
     def new_caches(self) -> list[Any]:
-        """One KV cache for the stacked batch (a list, as ProtectedLM's decoder holds them)."""
+        """One KV cache for the stacked batch (a list, as the runner protocol returns them)."""
         return [new_stacked_cache(self.num_groups)]
 
     def __call__(
@@ -540,13 +516,18 @@ class StackedLoRA:
         input_ids: Tensor,
         attention_mask: Tensor,
         position_ids: Tensor,
-        cache: Any | None = None,
-        logits_to_keep: int = 0,
+        caches: list[Any] | None = None,
+        keep: int | Tensor = 0,
     ) -> Tensor:
-        """One forward of all groups: ``input_ids``/``attention_mask``/``position_ids`` ``(B, T)``
-        → logits ``(G, B, T', V)`` float32 (T' = ``logits_to_keep`` or T). ``cache`` is one of
+        """One forward of all groups (the runner protocol, ``scpdr.runtime.runner``):
+        ``input_ids``/``attention_mask``/``position_ids`` ``(B, T)`` → float32 logits
+        ``(G, B, T', V)`` (T' = ``keep`` or T when ``keep`` is an int), or the positions a
+        ``keep`` tensor selects (``scpdr.runtime.runner.index_positions``). ``caches`` is one of
         :meth:`new_caches` (or None: no cache)."""
+        from scpdr.runtime.runner import index_positions
+
         g, bsz = self.num_groups, input_ids.shape[0]
+        cache = None if caches is None else caches[0]
         kwargs: dict[str, Any] = (
             {"past_key_values": cache, "use_cache": True}
             if cache is not None
@@ -557,11 +538,12 @@ class StackedLoRA:
                 input_ids=input_ids.repeat(g, 1),  # (G·B, T), row g·B + b
                 attention_mask=attention_mask.repeat(g, 1),
                 position_ids=position_ids.repeat(g, 1),
-                logits_to_keep=logits_to_keep,
+                logits_to_keep=keep if isinstance(keep, int) else 0,
                 **kwargs,
             )
         logits = out.logits.float()  # (G·B, T', V)
-        return logits.view(g, bsz, *logits.shape[1:])
+        logits = logits.view(g, bsz, *logits.shape[1:])
+        return logits if isinstance(keep, int) else index_positions(logits, keep)
 
 
 def checkpoint_weight_source(model_dir: str | os.PathLike[str]) -> Callable[[str], Tensor | None]:
@@ -610,59 +592,70 @@ def stacked_from_bundle(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> StackedLoRA | None:
-    """The fast path for a bundle, or None (general path) with the reason logged at INFO.
+    """The fast path for a bundle, or None (general path) with the reason logged at INFO; see
+    :func:`fast_path_from_bundle`."""
+    return fast_path_from_bundle(
+        path, manifest, method=method, base=base, dtype=dtype, device=device
+    )[0]
 
-    Groups, in ProtectedLM's run order: the constituents (all for every method but "none"), then
-    the bundle's base when the method is an SCP rule with ``base="model"`` (variant 'b'). Each
-    group must be a LoRA adapter over one common base or that base itself.
+
+def fast_path_from_bundle(
+    path: str | os.PathLike[str],
+    manifest: BundleManifest,
+    *,
+    method: str,
+    base: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[StackedLoRA | None, str]:
+    """``(stack, why)``: the fast path for a bundle, or ``(None, why not)`` (the general path);
+    the reason is also logged at INFO.
+
+    Groups, in the runtime's run order: the constituents (all for every method but "none"),
+    then the bundle's base when the method is an SCP rule with ``base="model"`` (variant 'b').
+    Each group must be a LoRA adapter over one common base or that base itself.
     """
-    from scpdr import naf
-    from scpdr.models import _ref_kind, load_model
+    from scpdr import methods
+    from scpdr.models import load_model, ref_kind
 
-    def off(reason: str) -> None:
+    def off(reason: str) -> tuple[None, str]:
         logger.info("LoRA fast path off for bundle %s: %s; using the general path", path, reason)
+        return None, reason
 
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        off(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}")
-        return None
+        return off(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}")
     if method == "none":
-        off("method 'none' runs one model (the merged adapter is as fast)")
-        return None
-    if method in naf.SCP_METHODS and base == "model" and manifest.base is None:
-        off("the bundle has no base model")
-        return None
+        return off("method 'none' runs one model (the merged adapter is as fast)")
+    scp_b = method in methods.SMOOTHED_RULES and base == "model"
+    if scp_b and manifest.base is None:
+        return off("the bundle has no base model")
     refs = [manifest.resolve(path, r) for r in manifest.constituents]
     names = list(manifest.constituents)
-    if method in naf.SCP_METHODS and base == "model":
+    if scp_b:
         refs.append(manifest.resolve(path, str(manifest.base)))
         names.append("base")
     adapters: list[LoraAdapter | None] = []
     for ref, name in zip(refs, names, strict=True):
         try:
-            kind = _ref_kind(ref)
+            kind = ref_kind(ref)
         except FileNotFoundError as exc:
-            off(str(exc))
-            return None
+            return off(str(exc))
         if kind != "peft":
             adapters.append(None)  # must be the common base itself (checked below)
             continue
         try:
             adapters.append(read_lora_adapter(ref))
         except (UnsupportedAdapterError, FileNotFoundError) as exc:
-            off(f"{name}: {exc}")
-            return None
+            return off(f"{name}: {exc}")
     bases = {_canonical(a.base_ref) for a in adapters if a is not None}
     if not bases:
-        off("no constituent is a LoRA adapter")
-        return None
+        return off("no constituent is a LoRA adapter")
     if len(bases) > 1:
-        off(f"the adapters have different base models ({', '.join(sorted(bases))})")
-        return None
+        return off(f"the adapters have different base models ({', '.join(sorted(bases))})")
     common = next(iter(bases))
     for ref, name, a in zip(refs, names, adapters, strict=True):
         if a is None and _canonical(ref) != common:
-            off(f"{name} ({ref}) is a full model, not a LoRA adapter over {common}")
-            return None
+            return off(f"{name} ({ref}) is a full model, not a LoRA adapter over {common}")
     model = load_model(common, dtype=dtype)
     if device is not None:
         model = model.to(device)
@@ -670,16 +663,13 @@ def stacked_from_bundle(
     try:
         stack = StackedLoRA(model, adapters, names, weight_source=source, release_adapters=True)
     except UnsupportedAdapterError as exc:
-        off(str(exc))
-        return None
-    logger.info(
-        "LoRA fast path on for bundle %s: %d groups (%d with adapters) over %s in one forward",
-        path,
-        stack.num_groups,
-        sum(a is not None for a in adapters),
-        common,
+        return off(str(exc))
+    why = (
+        f"{stack.num_groups} groups ({sum(a is not None for a in adapters)} with LoRA adapters) "
+        f"over {common} in one forward"
     )
-    return stack
+    logger.info("LoRA fast path on for bundle %s: %s", path, why)
+    return stack, why
 
 
 # --------------------------------------------------------------------------------------------
