@@ -75,7 +75,7 @@ CHILD_TOKENS = 16
 def build_bundle(root: Path, base, *, rank: int, alpha: float, k: int = 2) -> Path:
     """``root/adapter-<i>`` (random LoRA over the embedded base) and a bundle in ``root``."""
     from scpdr import models
-    from scpdr.lora_fast import save_random_lora
+    from scpdr.lora import save_random_lora
 
     base_dir = models.base_model_dir()
     refs = [

@@ -246,7 +246,7 @@ class ProtectedLM:
         base_vector: Tensor | None = None,
         fast_path: FastPath | None = None,
     ) -> ProtectedLM:
-        """A protected model over the models of ``runner`` (e.g. ``scpdr.lora_fast.StackedLoRA``).
+        """A protected model over the models of ``runner`` (e.g. ``scpdr.lora.StackedLoRA``).
 
         For an SCP method without ``base_vector`` (variant 'b') the runner's last model is the
         base and the others the constituents; otherwise every model is a constituent. Raises
