@@ -127,7 +127,7 @@ def child(kind: str, bundle: str, n_new: int) -> int:
     import torch
 
     from scpdr import models
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
 
     if kind == "single":
         model, tok = models.load_base()
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from scpdr import kernels, models
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
 
     targets = ["native", *(args.targets if args.targets is not None else default_targets())]
     clock = args.clock or ("cpu" if threads == 1 else "wall")

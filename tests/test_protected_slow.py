@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scpdr import models
-from scpdr.protected import ProtectedLM
+from scpdr.runtime import ProtectedLM
 
 pytestmark = pytest.mark.slow
 

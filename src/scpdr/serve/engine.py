@@ -1,4 +1,4 @@
-"""The serving engine: a dynamic-batching scheduler over one :class:`~scpdr.protected.ProtectedLM`
+"""The serving engine: a dynamic-batching scheduler over one :class:`~scpdr.runtime.ProtectedLM`
 (STYLE.md 10, the "engine" of vLLM's protocol/engine/router split).
 
 One worker thread owns the model. HTTP handlers (on the asyncio event loop) submit *sequences*
@@ -161,7 +161,7 @@ class Engine:
     """Dynamic batching over one protected model, run by a single worker thread.
 
     Args:
-        lm: a :class:`~scpdr.protected.ProtectedLM` (anything with its ``generate_stream`` and
+        lm: a :class:`~scpdr.runtime.ProtectedLM` (anything with its ``generate_stream`` and
             ``score``).
         max_batch: most sequences decoded together in one batched call.
         max_queue: most sequences waiting; beyond it :meth:`submit` raises
