@@ -31,7 +31,6 @@ def serve(
     max_batch: int = _option("max_batch"),
     max_queue: int = _option("max_queue"),
     batch_wait: float = _option("batch_wait_s"),
-    score_chunk_tokens: int = _option("score_chunk_tokens"),
     served_model_name: str | None = _option("model_name"),
     max_request_bytes: int = _option("max_request_bytes"),
     max_sequences_per_request: int = _option("max_sequences_per_request"),
@@ -57,7 +56,6 @@ def serve(
         max_batch=max_batch,
         max_queue=max_queue,
         batch_wait_s=batch_wait,
-        score_chunk_tokens=score_chunk_tokens,
     )  # ConfigError (exit 2) before anything loads
     try:
         run_server(bundle, config)
