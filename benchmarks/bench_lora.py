@@ -142,8 +142,8 @@ def child(kind: str, bundle: str, n_new: int) -> int:
             )
     else:
         lm = ProtectedLM.from_bundle(bundle)
-        if lm._stacked is None:
-            raise RuntimeError("the LoRA fast path did not engage")
+        if not lm.fast_path.on:
+            raise RuntimeError(f"the LoRA fast path did not engage ({lm.fast_path.reason})")
         lm.generate(PROMPTS[:1], max_new_tokens=n_new, stop_at_eos=False)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     hwm = None
@@ -238,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         suffix = "" if target == "native" else f"[{target}]"
         with kernels.using_target(target):
             fast = ProtectedLM.from_bundle(bundle)
-        stack = fast._stacked  # (the lead: lm.fast_path once the runtime exposes it)
-        if stack is None:
-            raise RuntimeError("the LoRA fast path did not engage on the benchmark bundle")
+        if not fast.fast_path.on:
+            raise RuntimeError(
+                f"the LoRA fast path did not engage on the benchmark bundle ({fast.fast_path})"
+            )
+        stack = fast.runner  # the shared-base runner (scpdr.lora.StackedLoRA)
         lms[f"scp-delta-r-b{suffix}"] = (target, fast)
         # one model through the same packed kernels as the fast path: the stack's base group
         if any(getattr(mod, "weight_packed", None) is not None for mod in stack.model.modules()):

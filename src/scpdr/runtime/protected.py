@@ -197,12 +197,6 @@ class ProtectedLM:
         tok_max = getattr(self.tokenizer, "model_max_length", None)
         return tok_max if isinstance(tok_max, int) and 0 < tok_max < 10**7 else None
 
-    @property
-    def _stacked(self) -> Any:
-        # Compatibility for benchmarks/bench_lora.py until it reads ``fast_path``/``runner``;
-        # the lead removes it at merge time.
-        return self.runner if self.runner.shared_base else None
-
     def __repr__(self) -> str:
         return f"ProtectedLM(name={self.name!r}, K={self.num_constituents}, m={self.m})"
 
