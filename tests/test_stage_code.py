@@ -99,7 +99,7 @@ def test_a_package_hashes_all_its_files(package):
 
 def test_kernel_sources_are_part_of_the_code():
     names = {p.name for p in module_files("scpdr.kernels")}
-    assert {"scp_delta_r.c", "cp_fuse.c", "packed_gemm.c", "build.py"} <= names
+    assert {"scp_delta_r.c", "cp_fuse.c", "packed_gemm.c", "fast_math.h", "build.py"} <= names
 
 
 @pytest.mark.parametrize("kind", sorted(ENTRIES))

@@ -92,8 +92,9 @@ scpdr module the stage's code imports, directly or not (``tests/test_stage_code.
 table against the imports), except ``scpdr.errors`` and ``scpdr.io``. A package counts with all
 its files (:func:`code_files`)."""
 
-#: File kinds of a package that are part of its code: Python, the C kernels, resource text.
-CODE_SUFFIXES = (".py", ".c", ".txt")
+#: File kinds of a package that are part of its code: Python, the C kernels and their header,
+#: resource text.
+CODE_SUFFIXES = (".py", ".c", ".h", ".txt")
 
 MARKER = "_stage.json"
 HASH_LEN = 16
