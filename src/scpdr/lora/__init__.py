@@ -21,8 +21,8 @@ forward of the base over a stacked batch of G·B rows (row ``g·B + b`` is row b
   (``docs/lora_fast_path.md``);
 - different ranks are zero-padded to the largest (exact: padded rows/columns add 0); modules that
   only some adapters target get zero matrices for the others;
-- one KV cache (:func:`~scpdr.lora.runner.new_stacked_cache`) holds the stacked batch; dropping finished rows selects
-  the same rows in every group;
+- one KV cache (:func:`new_stacked_cache`) holds the stacked batch; dropping finished rows
+  selects the same rows in every group;
 - an ``lm_head`` adapter on a model with tied embeddings is a delta on the output projection
   only (PEFT's unmerged semantics; ``scpdr.models.load_model`` unties before merging so that the
   general path agrees).
