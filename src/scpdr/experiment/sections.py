@@ -32,6 +32,7 @@ __all__ = [
     "PartitionConfig",
     "ReferenceConfig",
     "ReportConfig",
+    "ResourceRequest",
     "Section",
     "SweepConfig",
     "TTEAttackConfig",
@@ -272,6 +273,27 @@ class SweepConfig(Section):
     values: list[Any] = Field(..., min_length=1, description="values of the key")
     methods: list[str] | None = Field(None, description="restrict the sweep to these methods")
     attacks: list[str] | None = Field(None, description="restrict the sweep to these attacks")
+
+
+class ResourceRequest(Section):
+    """What one stage of a kind asks a distributed executor for (``scpdr experiment --executor
+    ray``: Ray's task options of the same names); the local executor ignores it."""
+
+    num_cpus: float = Field(1.0, ge=0, description="CPU cores per stage")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per stage (fractions share one GPU)")
+    memory: int | None = Field(None, ge=0, description="memory per stage in bytes (scheduling)")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per stage, e.g. {a100: 1}"
+    )
+
+    def ray_options(self) -> dict[str, Any]:
+        """The request as keyword arguments of Ray's ``.options()``."""
+        out: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory is not None:
+            out["memory"] = self.memory
+        if self.resources:
+            out["resources"] = dict(self.resources)
+        return out
 
 
 class ReportConfig(Section):
