@@ -21,7 +21,6 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from scpdr import methods as M
 from scpdr.device import DEVICE_PATTERN
 from scpdr.errors import ConfigError
-from scpdr.experiment.cache import STAGE_VERSIONS
 from scpdr.experiment.sections import (
     ATTACKS,
     BUILTIN_CORPORA,
@@ -34,6 +33,7 @@ from scpdr.experiment.sections import (
     PartitionConfig,
     ReferenceConfig,
     ReportConfig,
+    STAGE_KINDS,
     ResourceRequest,
     Section,
     SweepConfig,
@@ -98,9 +98,9 @@ class ExperimentConfig(Section):
     @field_validator("resources")
     @classmethod
     def _resources(cls, v: dict[str, ResourceRequest]) -> dict[str, ResourceRequest]:
-        bad = sorted(set(v) - set(STAGE_VERSIONS))
+        bad = sorted(set(v) - set(STAGE_KINDS))
         if bad:
-            raise ValueError(f"unknown stage kind(s) {bad}; use {sorted(STAGE_VERSIONS)}")
+            raise ValueError(f"unknown stage kind(s) {bad}; use {list(STAGE_KINDS)}")
         return v
 
     def resource_request(self, kind: str) -> ResourceRequest:

@@ -20,6 +20,7 @@ __all__ = [
     "BUILTIN_CORPORA",
     "GOLDFISH",
     "REQUESTABLE_METHODS",
+    "STAGE_KINDS",
     "AttacksConfig",
     "BaselinesConfig",
     "BoundsConfig",
@@ -50,6 +51,8 @@ REQUESTABLE_METHODS: tuple[str, ...] = M.AGGREGATE_METHODS
 #: and "generations" (greedy continuations side by side, no rows).
 ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility", "generations")
 BUILTIN_CORPORA: tuple[str, ...] = ("names2ids", "pycode", "pydocs")
+#: The kinds of stages (``resources:`` keys; :data:`scpdr.experiment.cache.STAGE_VERSIONS`).
+STAGE_KINDS: tuple[str, ...] = ("partitions", "train", "bundle", "attack", "bounds", "report")
 _DEFAULT_ATTACKS: dict[str, tuple[str, ...]] = {
     "names2ids": ("pii", "tte", "lira", "utility", "generations"),
     "pycode": ("tte", "lira", "utility", "generations"),
