@@ -67,7 +67,12 @@ def test_accelerate_launch_ddp_on_gloo_writes_the_bundle_of_one_process(tmp_path
         info = json.loads((ddp / f"constituent-{i}" / TRAIN_INFO).read_text())
         single = json.loads((one / f"constituent-{i}" / TRAIN_INFO).read_text())
         assert info["global_step"] == single["global_step"] == 3
-        assert info["placement"] == {"device": "cpu", "world_size": 2, "optim": "adamw_torch"}
+        assert info["placement"] == {
+            "device": "cpu",
+            "world_size": 2,
+            "distributed": "MULTI_CPU",  # DDP on gloo
+            "optim": "adamw_torch",
+        }
         assert info["epochs_done"] == pytest.approx(
             2 * single["epochs_done"] / single["placement"]["world_size"]
         )

@@ -27,7 +27,13 @@ from scpdr.data.records import Record, records_hash
 from scpdr.errors import ConfigError
 from scpdr.io import atomic_write_json, read_json
 from scpdr.training.config import TrainConfig, make_config
-from scpdr.training.placement import resolve_optim, select_device, training_device
+from scpdr.training.placement import (
+    full_state_dict,
+    placement_info,
+    resolve_optim,
+    select_device,
+    training_device,
+)
 from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -210,6 +216,9 @@ def finetune(
     elapsed = time.time() - t0
 
     stage = tmp / "final"
+    gathered = full_state_dict(trainer)  # FSDP: every process hands in its shards
+    if gathered is not None and merge_lora:
+        raise ConfigError("merge_lora under FSDP: save the adapter (merge_lora: false)")
     if trainer.is_world_process_zero():
         shutil.rmtree(stage, ignore_errors=True)
         final_model = trainer.model
@@ -220,9 +229,11 @@ def finetune(
                 final_model = final_model.merge_and_unload()
         if cfg.lora and not merge_lora:
             # the frozen embeddings are the base's: keep them out of the adapter
-            final_model.save_pretrained(str(stage), save_embedding_layers=False)
+            final_model.save_pretrained(
+                str(stage), save_embedding_layers=False, state_dict=gathered
+            )
         else:
-            final_model.save_pretrained(str(stage))
+            final_model.save_pretrained(str(stage), state_dict=gathered)
         tok.save_pretrained(str(stage))
         info = {
             "fingerprint": fp,
@@ -247,7 +258,7 @@ def finetune(
                 "python": platform.python_version(),
             },
             "adapter": bool(cfg.lora and not merge_lora),
-            "placement": {"device": dev, "world_size": args.world_size, "optim": optim},
+            "placement": placement_info(trainer, dev, optim),
         }
         atomic_write_json(stage / TRAIN_INFO, info)
         if out.exists():

@@ -21,15 +21,18 @@ import importlib.util
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from scpdr.device import cuda_index, is_cuda, resolve_device
 from scpdr.errors import ConfigError
 
 __all__ = [
     "FALLBACK_OPTIM",
+    "full_state_dict",
     "is_main_process",
     "launched",
     "main_process_first",
+    "placement_info",
     "resolve_optim",
     "select_device",
     "training_device",
@@ -129,6 +132,27 @@ def select_device(device: str) -> None:
         import torch
 
         torch.cuda.set_device(index)
+
+
+def placement_info(trainer: Any, device: str, optim: str) -> dict[str, Any]:
+    """Where a finished run trained (``train_info.json``'s ``placement``): the device, the number
+    of processes, how they shared the model (accelerate's distributed type: ``NO``,
+    ``MULTI_CPU``/``MULTI_GPU`` for DDP, ``FSDP``) and the optimizer that ran."""
+    return {
+        "device": device,
+        "world_size": int(trainer.args.world_size),
+        "distributed": str(trainer.accelerator.distributed_type.value),
+        "optim": optim,
+    }
+
+
+def full_state_dict(trainer: Any) -> dict[str, Any] | None:
+    """Under FSDP, the trained model's full state dict, gathered from the shards (a collective:
+    every process must call it; the main process then saves it); None otherwise (the main
+    process saves ``trainer.model`` as it is)."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    return trainer.accelerator.get_state_dict(trainer.model)
 
 
 def _is_8bit(optim: str) -> bool:
