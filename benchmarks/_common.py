@@ -143,6 +143,40 @@ def decode_step_fn(
     return step
 
 
+def cpu_model() -> str:
+    """The CPU's model name and vector extensions, for the reports (``/proc/cpuinfo``)."""
+    import platform
+    from pathlib import Path
+
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.machine()):
+                name = value.strip()
+            if key.strip() in ("flags", "Features") and not flags:
+                flags = value
+    except OSError:
+        pass
+    ext = [f for f in ("avx512f", "avx2", "fma", "asimd", "sve") if f in flags.split()]
+    return f"{name} ({', '.join(ext) or 'no SIMD flags read'})"
+
+
+def default_targets() -> list[str]:
+    """Kernel build targets to time besides ``native``: ``x86-64-v3`` (AVX2 + FMA, what most x86
+    users have) on an x86 CPU that runs it; none elsewhere."""
+    import platform
+    from pathlib import Path
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return ["x86-64-v3"] if " avx2" in flags and " fma" in flags else []
+
+
 def emit(bench: str, ratios: dict[str, float | None], **extra: Any) -> None:
     """Print the final JSON line (must be the last line on stdout)."""
     print(json.dumps({"bench": bench, "ratios": ratios, **extra}), flush=True)

@@ -20,9 +20,20 @@ stacked batch. Measured round-robin in one run (the CPU is shared):
 - peak resident memory (``ru_maxrss``) of a process that loads the fast-path protected model and
   decodes, divided by that of a process that loads one model and decodes (fresh subprocesses).
 
-Goals (issue 8): speed ratios >= 0.75, memory ratio <= 1.25.
+The packed GEMM and the SCP-Δr kernel are built for each ``--targets`` ISA (default: the native
+one and ``x86-64-v3``, the AVX2 + FMA code most x86 users run) and a fast-path model per build
+is timed in the same rounds against the same HF baseline: ``ratios`` are the native build's,
+``isa`` holds each build's ratios (speed, same-kernel, memory), instruction set and
+kernel/torch decisions (each build's kernels are used only where measured faster than torch).
 
-    python benchmarks/bench_lora.py [--quick] [--threads N] [--only speed|memory]
+Times are this thread's CPU time by default (``--clock cpu`` with one torch thread, where all
+the work runs on it): on a shared 2-core machine wall-clock ratios swung from 0.72 to 1.0 between
+two quick runs at load 4-5, CPU-time ones do not. ``--threads N --clock wall`` measures wall time.
+
+Goals (issues 8, 14): speed ratios >= 0.75, memory ratio <= 1.25 (every ISA; where one cannot
+reach them, its path must still be no slower than torch's).
+
+    python benchmarks/bench_lora.py [--quick] [--threads N] [--only speed|memory] [--targets ...]
 
 Last stdout line: ``{"bench": "lora", "ratios": {"scp-delta-r-b@B1": ..., "scp-delta-r-b@B8":
 ..., "memory": ...}, ...}``.
@@ -33,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import emit, interleaved_medians, setup
+from _common import cpu_model, default_targets, emit, interleaved_medians, setup
 
 logger = logging.getLogger("scpdr.benchmarks.lora")
 
@@ -107,8 +119,9 @@ def greedy_decode(model, enc, n: int) -> None:
 
 
 def child(kind: str, bundle: str, n_new: int) -> int:
-    """Load one model (``single``) or the fast-path protected bundle (``protected``), decode
-    ``n_new`` greedy tokens for one prompt, print ``{"maxrss_kb": ...}``."""
+    """Load one model (``single``) or the fast-path protected bundle (``protected``, kernels of
+    ``$SCPDR_KERNEL_TARGET``), decode ``n_new`` greedy tokens for one prompt, print
+    ``{"maxrss_kb": ...}``."""
     import resource
 
     import torch
@@ -146,7 +159,7 @@ def child(kind: str, bundle: str, n_new: int) -> int:
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
-def peak_rss(kind: str, bundle: Path, threads: int) -> dict[str, int]:
+def peak_rss(kind: str, bundle: Path, threads: int, target: str = "native") -> dict[str, int]:
     """Peak RSS (KiB) of a fresh ``--child kind`` process: ``ru_maxrss`` and ``/proc`` VmHWM.
 
     The child is started through a small launcher process: Linux carries a process's
@@ -159,6 +172,7 @@ def peak_rss(kind: str, bundle: Path, threads: int) -> dict[str, int]:
         check=True,
         capture_output=True,
         text=True,
+        env={**os.environ, "SCPDR_KERNEL_TARGET": target},
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -181,6 +195,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-general", action="store_true", help="skip timing the general path")
     ap.add_argument("--only", choices=["speed", "memory"], help="run one part only")
     ap.add_argument("--memory-rounds", type=int, default=None, help="subprocess pairs (median)")
+    ap.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default=None,
+        help="cpu (default with one thread): this thread's CPU time, which other processes on a "
+        "shared machine barely inflate (everything runs on it with one torch thread: torch's "
+        "ops and the kernel's one-thread OpenMP region); wall (default with more threads)",
+    )
+    ap.add_argument(
+        "--targets",
+        nargs="+",
+        default=None,
+        help="kernel build targets (-march values) to time besides native (default on x86: "
+        "x86-64-v3 when this CPU has AVX2)",
+    )
     ap.add_argument("--child", choices=["single", "protected"], help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -192,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from scpdr import models
+    from scpdr import kernels, models
     from scpdr.protected import ProtectedLM
 
+    targets = ["native", *(args.targets if args.targets is not None else default_targets())]
+    clock = args.clock or ("cpu" if threads == 1 else "wall")
     n_new = max(2, args.new_tokens or (10 if args.quick else 32))
     repeats = args.repeats or (3 if args.quick else 5)
     mem_rounds = args.memory_rounds or (1 if args.quick else 3)
@@ -202,18 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="bench-lora-")
     root = Path(tmp.name)
     bundle = build_bundle(root, base, rank=args.rank, alpha=args.alpha)
-    fast = ProtectedLM.from_bundle(bundle)
-    if fast._stacked is None:
-        raise RuntimeError("the LoRA fast path did not engage on the benchmark bundle")
-    # one model through the same packed kernels as the fast path: the base group of the stack
-    packed = any(
-        getattr(mod, "weight_packed", None) is not None for mod in fast._stacked.model.modules()
-    )
-    packed_view = fast._stacked.views[-1] if packed else None
-    lms = {"scp-delta-r-b": fast}
+    lms, packed_views = {}, {}
+    for target in targets:  # one fast-path model per kernel build
+        suffix = "" if target == "native" else f"[{target}]"
+        with kernels.using_target(target):
+            fast = ProtectedLM.from_bundle(bundle)
+        stack = fast._stacked  # (the lead: lm.fast_path once the runtime exposes it)
+        if stack is None:
+            raise RuntimeError("the LoRA fast path did not engage on the benchmark bundle")
+        lms[f"scp-delta-r-b{suffix}"] = (target, fast)
+        # one model through the same packed kernels as the fast path: the stack's base group
+        if any(getattr(mod, "weight_packed", None) is not None for mod in stack.model.modules()):
+            packed_views[f"single-packed{suffix}"] = (target, stack.views[-1])
     if not args.no_general:
         merged = [models.load_model(root / f"adapter-{i}") for i in range(2)]
-        lms["general"] = ProtectedLM(merged, tok, base_model=base)
+        lms["general"] = ("native", ProtectedLM(merged, tok, base_model=base))
     tok.padding_side = "left"
 
     ratios: dict[str, float | None] = {}
@@ -242,16 +276,16 @@ def main(argv: list[str] | None = None) -> int:
 
             fns[f"hf-generate/{n}"] = hf
             fns[f"hf-stacked-rows/{n}"] = partial(hf, enc_stacked, n)
-            if packed_view is not None:
-                fns[f"single-packed/{n}"] = partial(greedy_decode, packed_view, enc, n)
-            for name, lm in lms.items():
+            for name, (target, view) in packed_views.items():
+                fns[f"{name}/{n}"] = partial(on_target, target, greedy_decode, view, enc, n)
+            for name, (target, lm) in lms.items():
                 if name == "general" and args.quick and b > 1:
                     continue
-                fns[f"{name}/{n}"] = lambda lm=lm, prompts=prompts, n=n: lm.generate(
-                    prompts, max_new_tokens=n, stop_at_eos=False
+                fns[f"{name}/{n}"] = partial(
+                    on_target, target, lm.generate, prompts, max_new_tokens=n, stop_at_eos=False
                 )
         logger.info("B=%d: timing %s (%d rounds, %d new tokens)", b, list(fns), repeats, n_new)
-        med = interleaved_medians(fns, repeats=repeats, warmup=1)
+        med = interleaved_medians(fns, repeats=repeats, warmup=1, clock=clock)
         step = {
             k[: -len(f"/{n_new}")]: (med[k] - med[k[: -len(f"/{n_new}")] + "/1"]) / (n_new - 1)
             for k in med
@@ -265,25 +299,33 @@ def main(argv: list[str] | None = None) -> int:
             if name == "hf-stacked-rows":
                 ceilings[f"scp-delta-r-b@B{b}"] = round(step["hf-generate"] / sec, 3)
                 continue
-            if name == "single-packed":
-                same_kernels[f"scp-delta-r-b@B{b}"] = round(sec / step["scp-delta-r-b"], 3)
+            if name.startswith("single-packed"):
+                fast_name = "scp-delta-r-b" + name[len("single-packed") :]
+                same_kernels[f"{fast_name}@B{b}"] = round(sec / step[fast_name], 3)
                 continue
-            if name == "scp-delta-r-b":
+            if name.startswith("scp-delta-r-b"):
                 ratios[f"{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
             else:
                 ms[f"ratio:{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
             end_to_end[f"{name}@B{b}"] = round(e2e, 3)
 
-    del lms, fast
+    decisions = kernels.decisions()
+    del lms, packed_views
     logger.info("memory: %d round(s) of single / protected subprocesses", mem_rounds)
-    rss: dict[str, list[dict[str, int]]] = {"single": [], "protected": []}
+    kinds = ["single", *(f"protected[{t}]" for t in targets)]
+    rss: dict[str, list[dict[str, int]]] = {k: [] for k in kinds}
     for _ in range(0 if args.only == "speed" else mem_rounds):
-        for kind in rss:
-            rss[kind].append(peak_rss(kind, bundle, threads))
+        for kind in kinds:
+            target = kind[len("protected[") : -1] if kind != "single" else "native"
+            rss[kind].append(peak_rss(kind.split("[")[0], bundle, threads, target))
     mem = {k: statistics.median([r["maxrss_kb"] for r in v] or [0]) for k, v in rss.items()}
     hwm = {k: statistics.median([r["vmhwm_kb"] or 0 for r in v] or [0]) for k, v in rss.items()}
-    ratios["memory"] = round(mem["protected"] / mem["single"], 3) if mem["single"] else None
+    for t in targets:
+        key = "memory" if t == "native" else f"memory[{t}]"
+        ratios[key] = round(mem[f"protected[{t}]"] / mem["single"], 3) if mem["single"] else None
     tmp.cleanup()
+    isa = per_target(targets, ratios, same_kernels, decisions, kernels)
+    ratios = {k: v for k, v in ratios.items() if "[" not in k}
 
     met = {
         k: ratios.get(k) is not None and (ratios[k] <= v if k == "memory" else ratios[k] >= v)
@@ -300,14 +342,57 @@ def main(argv: list[str] | None = None) -> int:
         end_to_end_ratios=end_to_end,
         stacked_rows_ceiling=ceilings,
         same_kernel_ratios=same_kernels,
+        isa=isa,
         peak_rss_mib={k: round(v / 1024, 1) for k, v in mem.items()},
         vmhwm_mib={k: round(v / 1024, 1) for k, v in hwm.items()},
         rank=args.rank,
         new_tokens=n_new,
         threads=threads,
+        clock=clock,
+        cpu=cpu_model(),
+        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         quick=args.quick,
     )
     return 0
+
+
+def on_target(target: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the kernels of build ``target`` (the SCP-Δr aggregation;
+    the packed layers keep the build they were packed for)."""
+    from scpdr import kernels
+
+    with kernels.using_target(target):
+        return fn(*args, **kwargs)
+
+
+def target_key(key: str, target: str) -> str:
+    """``scp-delta-r-b@B1`` -> ``scp-delta-r-b[x86-64-v3]@B1`` (``memory`` -> ``memory[...]``)
+    for a build other than native."""
+    if target == "native":
+        return key
+    name, at, batch = key.partition("@")
+    return f"{name}[{target}]{at}{batch}"
+
+
+def per_target(targets, ratios, same_kernels, decisions, kernels) -> dict:
+    """``{target: {"isa", "ratios", "goals_met", "same_kernel_ratios", "decisions"}}``."""
+    out = {}
+    for t in targets:
+        lib = kernels.gemm.library(target=t)
+        rs = {k: ratios.get(target_key(k, t)) for k in GOALS}
+        out[t] = {
+            "isa": None if lib is None else lib.lib.isa,
+            "ratios": rs,
+            "goals_met": {
+                k: v is not None and (v <= GOALS[k] if k == "memory" else v >= GOALS[k])
+                for k, v in rs.items()
+            },
+            "same_kernel_ratios": {
+                k: same_kernels.get(target_key(k, t)) for k in GOALS if k != "memory"
+            },
+            "decisions": {k: v for k, v in decisions.items() if f", {t} build)" in k},
+        }
+    return out
 
 
 if __name__ == "__main__":

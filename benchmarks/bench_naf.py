@@ -14,11 +14,18 @@ machine, wall time with two OpenMP threads swings by 10x with other processes' l
 a B = 1 decode step took 73 ms on a quiet machine and 760 ms at load 11 on 2 cores).
 ``--clock wall --threads N`` measures wall time instead.
 
-Goal (issue 2): scp-delta-r <= 0.01 at B = 1 and <= 0.02 at B = 8.
+The C kernels (SCP-Δr, CP-Fuse's statistics) are built for each ``--targets`` ISA (default: the
+native one and ``x86-64-v3``, the AVX2 + FMA code most x86 users run, which an AVX-512 machine
+runs too) and timed in the same rounds: ``ratios`` are the native build's (what
+``naf.aggregate`` uses here, after its kernel/torch choice), and ``isa`` holds every build's
+ratios for the kernel methods, its instruction set and its kernel/torch decisions.
 
-    python benchmarks/bench_naf.py [--quick] [--clock cpu|wall] [--threads N]
+Goals (issues 2, 14): scp-delta-r <= 0.01 at B = 1 and <= 0.02 at B = 8; cp-fuse <= 0.10 at B = 8.
 
-Last stdout line: ``{"bench": "naf", "ratios": {"<method>@B<b>": ...}, "ms": {...}, ...}``.
+    python benchmarks/bench_naf.py [--quick] [--clock cpu|wall] [--threads N] [--targets ...]
+
+Last stdout line: ``{"bench": "naf", "ratios": {"<method>@B<b>": ...}, "ms": {...}, "isa":
+{"native": {"isa": "avx512", "ratios": {...}, "decisions": {...}}, "x86-64-v3": {...}}, ...}``.
 """
 
 from __future__ import annotations
@@ -32,20 +39,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import decode_step_fn, emit, interleaved_medians, load_embedded_model, setup
+from _common import (
+    cpu_model,
+    decode_step_fn,
+    default_targets,
+    emit,
+    interleaved_medians,
+    load_embedded_model,
+    setup,
+)
 
 logger = logging.getLogger("scpdr.benchmarks.naf")
 
 VOCAB = 49152
 BATCH_SIZES = (1, 8, 64)
-GOALS = {"scp-delta-r@B1": 0.01, "scp-delta-r@B8": 0.02}
+GOALS = {"scp-delta-r@B1": 0.01, "scp-delta-r@B8": 0.02, "cp-fuse@B8": 0.10}
+#: Methods with a C kernel, timed for every build target.
+KERNEL_METHODS = ("scp-delta-r", "cp-fuse")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (under 5 minutes)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
-    ap.add_argument("--no-cp-fuse", action="store_true", help="skip cp_fuse_step (slowest)")
+    ap.add_argument("--no-cp-fuse", action="store_true", help="skip cp_fuse_step")
     ap.add_argument(
         "--clock",
         choices=("cpu", "wall"),
@@ -54,16 +71,24 @@ def main(argv: list[str] | None = None) -> int:
         "processes on a shared machine barely inflate; wall: wall time with --threads threads",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads for --clock wall")
+    ap.add_argument(
+        "--targets",
+        nargs="+",
+        default=None,
+        help="kernel build targets (-march values) to time besides native (default on x86: "
+        "x86-64-v3 when this CPU has AVX2)",
+    )
     args = ap.parse_args(argv)
     threads = setup(threads=1 if args.clock == "cpu" else args.threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
     import torch
 
-    from scpdr import naf
+    from scpdr import kernels, naf
+
+    targets = ["native", *(args.targets if args.targets is not None else default_targets())]
 
     repeats = {1: 15, 8: 9, 64: 5} if args.quick else {1: 60, 8: 30, 64: 12}
-    fuse_repeats = {1: 3, 8: 3, 64: 1} if args.quick else {1: 9, 8: 5, 64: 3}
     loaded = load_embedded_model()
     model = loaded[0] if loaded else None
     vocab = model.config.vocab_size if model is not None else VOCAB
@@ -97,13 +122,17 @@ def main(argv: list[str] | None = None) -> int:
             fns["decode"] = step
         for method in naf.METHODS:
             fns[method] = (fresh_logits, partial(naf.aggregate, method, logps, base=base, m=10))
+        for target in targets[1:]:  # the other builds of the kernel methods, same rounds
+            fns[f"scp-delta-r[{target}]"] = (
+                fresh_logits,
+                partial(with_target, target, naf.aggregate, "scp-delta-r", logps, base=base, m=10),
+            )
+        for target in [] if args.no_cp_fuse else targets:
+            name = "cp-fuse" if target == "native" else f"cp-fuse[{target}]"
+            path = torch.zeros(2, b)
+            fns[name] = (fresh_logits, partial(with_target, target, naf.cp_fuse_step, logps, path))
         with torch.inference_mode():
             med = interleaved_medians(fns, repeats=repeats.get(b, 5), clock=args.clock)
-            if not args.no_cp_fuse:  # ~100x slower than the rest: timed apart, fewer repeats
-                fuse = partial(naf.cp_fuse_step, logps, torch.zeros(2, b))
-                med |= interleaved_medians(
-                    {"cp-fuse": fuse}, repeats=fuse_repeats.get(b, 1), warmup=1, clock=args.clock
-                )
         for name, sec in med.items():
             ms[f"{name}@B{b}"] = round(sec * 1e3, 4)
         for name, sec in med.items():
@@ -117,20 +146,53 @@ def main(argv: list[str] | None = None) -> int:
     goals_met = {
         k: (ratios.get(k) is not None and ratios[k] <= v) for k, v in GOALS.items() if k in ratios
     }
+    isa = per_target(targets, ratios, kernels)
     emit(
         "naf",
-        ratios,
+        {k: v for k, v in ratios.items() if "[" not in k},
         ms=ms,
         goals=GOALS,
         goals_met=goals_met,
+        isa=isa,
         vocab=vocab,
         threads=threads,
         clock=args.clock,
         load_average=load,
+        cpu=cpu_model(),
         quick=args.quick,
         model="SmolLM2-135M-Instruct" if model is not None else None,
     )
     return 0
+
+
+def with_target(target: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the kernels of build ``target``."""
+    from scpdr import kernels
+
+    with kernels.using_target(target):
+        return fn(*args, **kwargs)
+
+
+def per_target(targets: list[str], ratios: dict, kernels) -> dict:
+    """``{target: {"isa", "ratios" of the kernel methods, "goals_met", "decisions"}}``."""
+    decisions = kernels.decisions()
+    out = {}
+    for t in targets:
+        lib = kernels.scp.library(target=t)
+        suffix = "" if t == "native" else f"[{t}]"
+        rs = {
+            f"{m}@B{b}": ratios[f"{m}{suffix}@B{b}"]
+            for m in KERNEL_METHODS
+            for b in BATCH_SIZES
+            if f"{m}{suffix}@B{b}" in ratios
+        }
+        out[t] = {
+            "isa": None if lib is None else lib.isa,
+            "ratios": rs,
+            "goals_met": {k: rs[k] is not None and rs[k] <= v for k, v in GOALS.items() if k in rs},
+            "decisions": {k: v for k, v in decisions.items() if f", {t} build)" in k},
+        }
+    return out
 
 
 if __name__ == "__main__":

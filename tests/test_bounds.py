@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.special import logsumexp
 
-from scpdr import bounds, naf
+from scpdr import bounds, methods, naf
 from scpdr.errors import ConfigError
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -452,6 +452,42 @@ def test_prop_4_8_paper_numbers():
 
 
 # --------------------------------------------------------------------------------------------
+# certify: the one certificate formula (k_x, t_x) of every rule
+
+
+@SETTINGS
+@given(data=inputs(), rule=st.sampled_from(sorted(methods.RULES)))
+def test_certify_bounds_every_component_and_is_what_k_x_t_x_return(data, rule):
+    """For every rule (CP-Fuse included), ``certify`` on (r, components) bounds log r/p_i at
+    every token by t_x (Thm. 4.4, or the exact ratio), k_x is the rule's divergence (Def. 2.1),
+    and bounds.k_x/t_x are certify over naf_components."""
+    x, base, m = data
+    if rule == "cp-fuse":
+        x = x[:2]
+        log_r = naf.cp_fuse_step(x, torch.rand(2, *x.shape[1:-1]))[0]
+        comps = naf.normalize(x)
+    else:
+        log_r, comps = bounds.naf_components(rule, x, base=base, m=m)
+    cert = bounds.certify(rule, log_r, comps)
+    ratio = (log_r.unsqueeze(0) - comps).amax(-1)  # (K, *batch): max_y log r/p_i
+    assert bool((ratio <= cert.t_x.unsqueeze(0) + TOL).all())
+    div = "max" if rule == "cp-fuse" else methods.kx_divergence(rule)
+    torch.testing.assert_close(cert.k_x, bounds.DIVERGENCES[div](log_r, comps).amax(0))
+    for i in range(comps.shape[0]):
+        ti = bounds.certify(rule, log_r, comps, ref=i).t_x
+        assert bool((ratio[i] <= ti + TOL).all()) and bool((ti <= cert.t_x + TOL).all())
+    if rule != "cp-fuse":
+        torch.testing.assert_close(bounds.k_x(rule, x, base=base, m=m), cert.k_x)
+        torch.testing.assert_close(bounds.t_x(rule, x, base=base, m=m), cert.t_x)
+        torch.testing.assert_close(
+            bounds.t_x(rule, x, base=base, m=m, ref=1),
+            bounds.certify(rule, log_r, comps, ref=1).t_x,
+        )
+    one = bounds.certify("none", comps[0], comps[:1])  # a single model: no guarantee
+    assert torch.isinf(one.k_x).all() and torch.isinf(one.t_x).all()
+
+
+# --------------------------------------------------------------------------------------------
 # errors
 
 
@@ -471,6 +507,8 @@ def test_bound_errors():
         bounds.v_x("cp-delta-r", x, x[0], torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="ref must be a constituent index"):
         bounds.t_x("cp-delta-r", x, ref=2)
+    with pytest.raises(ConfigError, match="no NAF bound for rule 'cp-magic'"):
+        bounds.certify("cp-magic", x[0], x)
     with pytest.raises(ValueError, match="vocabulary sizes differ"):
         bounds.tv(torch.randn(10), torch.randn(11))
     with pytest.raises(ValueError, match=r"logps must have shape \(K"):

@@ -1,75 +1,121 @@
-"""scpdr._kernel: the fused C kernel of SCP-Δr against the torch implementation (the fast path
-tested against the slow one), its build, cache and fallback."""
+"""scpdr.kernels: the C kernels against their definitions and torch implementations (the fast
+paths tested against the slow ones), their builds per ISA, cache, measured choice and fallback.
+
+The SCP-Δr kernel is called directly (``kernels.scp.run``), never through the measured choice,
+so these tests compare the kernel whatever a measurement on a busy machine decided.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
+import subprocess
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from scpdr import _kernel, naf
+from scpdr import kernels, naf
+from scpdr.kernels import build, gemm, scp
 from scpdr.testing import extreme_logits
+from test_naf import pinned_m_near_v, ref_batch, ref_floor, ref_rpd
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None,
-    reason="no C compiler on PATH: scpdr uses the torch implementation (tested everywhere)",
+    reason="no C compiler on PATH: scpdr uses the torch implementations (tested everywhere)",
+)
+
+SCP = scp.library()
+#: the x86-64-v3 (AVX2 + FMA) build runs here too when this x86 CPU has AVX2
+HAS_AVX2 = platform.machine() in ("x86_64", "AMD64") and " avx2" in Path("/proc/cpuinfo").read_text(
+    errors="ignore"
 )
 
 
-def torch_path(x, base, m):
-    return naf._scp_delta_r(x, base, m, components=False)[0]
-
-
-def gap(x, base, m):
-    """Distance between the m-th and (m+1)-th smoothing scores (min over rows, constituents):
-    below float rounding, two implementations may keep different (equally valid) tokens."""
-    sm = naf._smoothing(naf._check_logps(x, "t", min_k=1), base, m)
-    score = torch.softmax(x.float(), -1).clamp_min(naf._PROB_FLOOR) * sm.d
-    top = score.topk(m + 1, dim=-1).values
-    return float((top[..., m - 1] - top[..., m]).min())
-
-
-def test_the_kernel_builds_and_is_cached(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """An empty ``$SCPDR_HOME`` and no library or decision remembered by this process."""
     monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
-    monkeypatch.setattr(_kernel, "_STATE", {})
-    fn = _kernel.scp_delta_r_kernel()
-    assert fn is not None
-    built = list((tmp_path / "kernels").glob("scp_delta_r-*.so"))
-    assert len(built) == 1
-    monkeypatch.setattr(_kernel, "_STATE", {})
-    assert _kernel.scp_delta_r_kernel() is not None  # loaded from the cache, not rebuilt
-    assert list((tmp_path / "kernels").glob("scp_delta_r-*.so")) == built
+    for var in ("SCPDR_NAF_KERNEL", "SCPDR_GEMM_KERNEL", build.ENV_TARGET):
+        monkeypatch.delenv(var, raising=False)
+    kernels.reset()
+    yield tmp_path / "kernels"
+    kernels.reset()
+
+
+def sum_tol(vocab: int) -> float:
+    """Absolute tolerance of float32 log-probs normalized over ``vocab`` terms."""
+    return 2e-5 if vocab <= 20000 else 5e-5 if vocab <= 60000 else 1e-4
+
+
+def run(x, base, m, **kw):
+    assert SCP is not None
+    return scp.run(SCP, x, base, m, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# SCP-Δr: equal to the definition
+
+
+def definition(x, base, m):
+    """SCP-Δr as Alg. 1 states it, densely, in float64, and the float64 score gap at S_m's
+    boundary (below float32 rounding two implementations may keep different tokens)."""
+    return ref_batch("scp-delta-r", x, base, m)
+
+
+@st.composite
+def scp_inputs(draw):
+    vocab = draw(st.sampled_from([8, 9, 12, 16, 33, 64, 65, 100, 1023, 1025, 4096, 50000, 150000]))
+    big = vocab > 5000
+    m = draw(
+        st.one_of(
+            st.integers(1, min(3, vocab - 1)),
+            st.integers(max(1, vocab - 3), vocab - 1),
+            st.integers(1, vocab - 1),
+            st.integers(1, min(64, vocab - 1)),
+        )
+    )
+    k = draw(st.integers(2, 2 if big else 4))
+    rows = draw(st.integers(1, 1 if big else 3))
+    scale = draw(st.sampled_from([0.5, 4.0, 20.0, 50.0]))
+    constant = draw(st.booleans())
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(rows, vocab, generator=g) * scale
+    x = (shared + torch.randn(k, rows, vocab, generator=g) * scale / 2).clamp(-50, 50)
+    base = (shared + torch.randn(rows, vocab, generator=g) * scale / 2).clamp(-50, 50)
+    return x, base[0] if constant else base, m
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    k=st.integers(2, 4),
-    rows=st.integers(1, 3),
-    vocab=st.sampled_from([12, 100, 1023, 1025, 4096]),
-    m=st.sampled_from([1, 3, 10]),
-    scale=st.sampled_from([1.0, 4.0, 20.0]),
-    constant_base=st.booleans(),
-)
-def test_kernel_equals_the_torch_implementation(seed, k, rows, vocab, m, scale, constant_base):
-    assume(m < vocab)
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randn(rows, vocab, generator=g) * scale
-    x = shared + torch.randn(k, rows, vocab, generator=g) * scale / 2
-    base = shared + torch.randn(rows, vocab, generator=g)
-    if constant_base:
-        base = base[0]
-    assume(gap(x, base, m) > 1e-6)
-    fused = naf._scp_delta_r_fused(x, base, m)
-    assert fused is not None
-    want = torch_path(x, base, m)
-    torch.testing.assert_close(fused, want, atol=2e-5, rtol=2e-6)
-    assert torch.allclose(fused.exp().sum(-1), torch.ones(rows), atol=1e-5)
+@given(data=scp_inputs())
+@example(data=pinned_m_near_v(0))
+@example(data=pinned_m_near_v(1))
+def test_scp_delta_r_kernel_and_torch_equal_the_definition(data):
+    """V from 8 to 150,000, m from 1 to V - 1, logits up to ±50, per-row and constant bases:
+    the torch path and (where it applies: m <= 64) the kernel equal Alg. 1's definition
+    wherever S_m's kept set is unambiguous; the pinned inputs are the ones the kernel's closed
+    normalization got wrong (issue 14)."""
+    x, base, m = data
+    want, gap = definition(x, base, m)
+    assume(gap > 1e-5)
+    # float32 sums of up to 150,000 terms: the torch path's final log_softmax was measured 4.5e-5
+    # off at V = 50,000 (m = V - 3, logits ±48) and 6.2e-5 at V = 150,000 (m = 1); the kernel
+    # sums in double
+    tol = {"atol": sum_tol(x.shape[-1]), "rtol": 2e-6}
+    got = naf.scp_delta_r_torch(x, base=base, m=m)
+    np.testing.assert_allclose(got.double().numpy(), want, **tol)
+    if scp.applies(x, base, m):
+        fused = run(x, base, m)
+        np.testing.assert_allclose(fused.double().numpy(), want, **tol)
+        torch.testing.assert_close(fused, got, **tol)
+    else:
+        assert m > scp.MAX_M
 
 
 def test_kernel_at_the_real_vocabulary_and_batch_shapes():
@@ -77,92 +123,293 @@ def test_kernel_at_the_real_vocabulary_and_batch_shapes():
     shared = torch.randn(2, 3, 49152, generator=g) * 3
     x = shared + torch.randn(2, 2, 3, 49152, generator=g)
     base = shared + torch.randn(2, 3, 49152, generator=g)
-    out = naf.aggregate("scp-delta-r", x, base=base, m=10)
+    out = run(x, base, 10)
     assert out.shape == (2, 3, 49152)
-    torch.testing.assert_close(out, torch_path(x, base, 10), atol=2e-5, rtol=0)
+    torch.testing.assert_close(out, naf.scp_delta_r_torch(x, base=base, m=10), atol=2e-5, rtol=2e-6)
 
 
 def test_kernel_handles_extremes_and_does_not_touch_its_inputs():
     x, base = extreme_logits()
     x0, b0 = x.clone(), base.clone()
-    out = naf._scp_delta_r_fused(x, base, 10)
-    assert out is not None and torch.isfinite(out).all()
+    out = run(x, base, 10)
+    assert torch.isfinite(out).all()
     assert torch.allclose(out.exp().sum(-1), torch.ones(3), atol=1e-5)
-    torch.testing.assert_close(out, torch_path(x, base, 10), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out, naf.scp_delta_r_torch(x, base=base, m=10), atol=1e-4, rtol=0)
     assert torch.equal(x, x0) and torch.equal(base, b0)
 
 
-def test_kernel_is_skipped_where_it_does_not_apply(monkeypatch):
-    x = torch.randn(2, 1, 300, requires_grad=True)
-    base = torch.randn(1, 300)
-    assert naf._scp_delta_r_fused(x, base, 10) is None  # autograd: the torch path
+# --------------------------------------------------------------------------------------------
+# SCP-Δr: ties
+
+
+def reference_kept(x: np.ndarray, b: np.ndarray, m: int) -> list[int]:
+    """S_m's kept set by the documented rule (score descending, then token id), float64."""
+    lp, lb = ref_floor(x), ref_floor(b)
+    score = np.exp(lp) * (ref_rpd(lp) - ref_rpd(lb))
+    return sorted(np.lexsort((np.arange(len(score)), -score))[:m].tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.sampled_from([8, 20, 300, 4096, 50000]),
+    live=st.integers(0, 6),
+    m=st.integers(1, 20),
+    constant=st.booleans(),
+)
+def test_every_implementation_keeps_the_same_tokens_on_ties(seed, vocab, live, m, constant):
+    """Fewer than m tokens with non-negligible scores (logits of ±50 push the others to the
+    e^-20 floor) and integer base logits: many scores tie exactly at S_m's boundary. The torch
+    path and the kernel keep the same set bit for bit — the documented rule: score, then the
+    smaller token id — and serve the same distribution."""
+    m = min(m, vocab - 1)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.full((2, 1, vocab), -50.0)
+    for i in range(2):
+        hot = torch.randperm(vocab, generator=g)[:live]
+        x[i, 0, hot] = torch.randint(-10, 50, (live,), generator=g).float()
+    base = torch.randint(-3, 3, (1, vocab), generator=g).float()
+    if constant:
+        base = torch.zeros(vocab)
+    kept_torch = [naf.kept_tokens(x[i], base, m) for i in range(2)]
+    out, kept_kernel = run(x, base, m, kept=True)
+    for i in range(2):
+        want = reference_kept(
+            x[i, 0].double().numpy(), base.reshape(-1, vocab)[0].double().numpy(), m
+        )
+        assert sorted(kept_torch[i][0].tolist()) == want
+        assert sorted(kept_kernel[i, 0].tolist()) == want
+    want = naf.scp_delta_r_torch(x, base=base, m=m)
+    torch.testing.assert_close(out, want, atol=sum_tol(vocab), rtol=2e-6)
+
+
+def test_ties_keep_the_smallest_ids():
+    """A hand-made tie: every token has the same score, so S_m keeps tokens 0..m-1."""
+    x, base = torch.zeros(2, 1, 10), torch.zeros(10)
+    _, kept = run(x, base, 4, kept=True)
+    assert sorted(kept[0, 0].tolist()) == [0, 1, 2, 3] == sorted(kept[1, 0].tolist())
+    assert sorted(naf.kept_tokens(x[0], base, 4)[0].tolist()) == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------------------------
+# SCP-Δr: where the kernel applies, choice, switches
+
+
+def test_kernel_applies_only_where_it_can():
+    x, base = torch.randn(2, 1, 300, requires_grad=True), torch.randn(1, 300)
+    assert not scp.applies(x, base, 10)  # autograd: the torch path
     with torch.no_grad():
-        assert naf._scp_delta_r_fused(x, base, 10) is not None
-        assert naf._scp_delta_r_fused(x, base, _kernel.MAX_M + 1) is None
-        big_k = torch.randn(_kernel.MAX_K + 1, 1, 300)
-        assert naf._scp_delta_r_fused(big_k, base, 10) is None
+        assert scp.applies(x, base, 10)
+        assert not scp.applies(x, base, scp.MAX_M + 1)
+        assert not scp.applies(torch.randn(scp.MAX_K + 1, 1, 300), base, 10)
+
+
+def test_first_use_measures_logs_once_and_remembers(fresh, caplog):
+    """Above SMALL_ELEMENTS the first call times the kernel against the torch path, logs the
+    decision once at INFO and stores it beside the library; a new process (reset) reads it."""
+    g = torch.Generator().manual_seed(0)
+    x, base = torch.randn(2, 4, 20000, generator=g) * 3, torch.randn(4, 20000, generator=g)
+    assert x.numel() > scp.SMALL_ELEMENTS
+    want = naf.scp_delta_r_torch(x, base=base, m=10)
+    with caplog.at_level(logging.INFO, logger="scpdr.kernels"):
+        for _ in range(3):
+            torch.testing.assert_close(
+                naf.scp_delta_r(x, base=base, m=10), want, atol=2e-5, rtol=2e-6
+            )
+    lines = [r.getMessage() for r in caplog.records if "SCP-Δr kernel" in r.getMessage()]
+    assert len(lines) == 1 and "× torch at K = 2, 4 rows, V = 20000" in lines[0], lines
+    assert lines[0].endswith(("kernel used", "torch used"))
+    stored = list(fresh.glob("scp_delta_r-*.choices.json"))
+    assert len(stored) == 1 and "K2-rows4-V32768-m10-row" in stored[0].read_text()
+    kernels.reset()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="scpdr.kernels"):
+        naf.scp_delta_r(x, base=base, m=10)
+    assert "(stored decision)" in caplog.text
+
+
+def test_switches_force_either_side(fresh, monkeypatch):
+    x, base = torch.randn(2, 2, 40000), torch.randn(2, 40000)
+    torch_out = naf.scp_delta_r_torch(x, base=base, m=5)
+    kernel_out = run(x, base, 5)
     monkeypatch.setenv("SCPDR_NAF_KERNEL", "0")
-    with torch.no_grad():
-        assert naf._scp_delta_r_fused(x, base, 10) is None
-        assert torch.equal(naf.scp_delta_r(x, base=base), torch_path(x, base, 10))
+    assert build.policy("scp_delta_r") == "torch"
+    assert torch.equal(naf.scp_delta_r(x, base=base, m=5), torch_out)
+    with kernels.force("scp_delta_r", "kernel"):  # code beats the environment
+        assert torch.equal(naf.scp_delta_r(x, base=base, m=5), kernel_out)
+    monkeypatch.setenv("SCPDR_NAF_KERNEL", "1")
+    assert torch.equal(naf.scp_delta_r(x, base=base, m=5), kernel_out)
+    assert not list(fresh.glob("*.choices.json"))  # forced: nothing measured
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with kernels.force("nothing", "kernel"):
+            pass
 
 
-def test_a_failed_build_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(_kernel, "_STATE", {})
-    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
+def test_a_failed_build_falls_back_to_torch_with_a_warning(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", "definitely-not-a-compiler")
     x, base = torch.randn(2, 2, 200), torch.randn(2, 200)
-    with caplog.at_level(logging.WARNING, logger="scpdr._kernel"):
+    with caplog.at_level(logging.WARNING, logger="scpdr.kernels"):
         out = naf.aggregate("scp-delta-r", x, base=base, m=5)
     assert "not available" in caplog.text and "definitely-not-a-compiler" in caplog.text
-    assert torch.equal(out, torch_path(x, base, 5))
+    assert torch.equal(out, naf.scp_delta_r_torch(x, base=base, m=5))
 
 
-def test_the_packed_gemm_kernel_builds_is_cached_and_falls_back(monkeypatch, tmp_path, caplog):
-    """resources/packed_gemm.c builds into its own cached library; with no compiler the LoRA
-    fast path keeps torch's matmuls after one warning."""
+def test_builds_are_cached_per_target(fresh):
+    lib = scp.library()
+    assert lib is not None and lib.target == "native" and lib.path.parent == fresh
+    assert [p.name for p in fresh.glob("scp_delta_r-*.so")] == [lib.path.name]
+    kernels.reset()
+    assert scp.library().path == lib.path  # loaded from the cache, not rebuilt
+    assert len(list(fresh.glob("scp_delta_r-*.so"))) == 1
+    with pytest.raises(ValueError, match="-march value"):
+        scp.library(target="native; rm -rf /")
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the x86-64-v3 build needs an x86 CPU with AVX2")
+def test_the_avx2_build_runs_beside_the_native_one(fresh):
+    """On an AVX-512 machine the x86-64-v3 target builds the AVX2 code (what most users run):
+    another library, the same results."""
+    v3 = scp.library(target="x86-64-v3")
+    assert v3 is not None and v3.isa == "avx2" and v3.path != scp.library().path
+    x, base = torch.randn(2, 2, 5000), torch.randn(2, 5000)
+    torch.testing.assert_close(scp.run(v3, x, base, 10), run(x, base, 10), atol=2e-5, rtol=2e-6)
+    with kernels.using_target("x86-64-v3"):
+        assert build.default_target() == "x86-64-v3" and scp.library() is v3
+    assert build.default_target() == "native"
+
+
+# --------------------------------------------------------------------------------------------
+# the packed GEMM
+
+
+def _gemm_check(lib: gemm.GemmLibrary) -> None:
+    g = torch.Generator().manual_seed(1)
+    for rows, n, k in ((1, 70, 40), (7, 130, 576), (24, 65, 1536), (13, 200, 33)):
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+        y = gemm.lora_linear(lib, x, gemm.pack_panels(w, lib.panel_width), n, groups=1)
+        torch.testing.assert_close(y, x @ w.t(), atol=1e-3, rtol=1e-4)
+
+
+def test_the_packed_gemm_has_a_tile_for_this_isa(fresh):
+    lib = gemm.library()
+    assert lib is not None
+    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
+        assert lib.tiled, lib.lib.isa
+    tiles = {"avx512": (32, 12), "avx2": (24, 4), "neon": (16, 6)}
+    if lib.lib.isa in tiles:
+        assert (lib.panel_width, lib.tile_rows) == tiles[lib.lib.isa]
+    _gemm_check(lib)
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the x86-64-v3 build needs an x86 CPU with AVX2")
+def test_the_avx2_packed_gemm_is_correct(fresh):
+    lib = gemm.library(target="x86-64-v3")
+    assert lib is not None and lib.lib.isa == "avx2" and lib.panel_width == 24
+    _gemm_check(lib)
+
+
+def test_the_packed_gemm_builds_is_cached_and_falls_back(fresh, monkeypatch, caplog):
+    """packed_gemm.c builds into its own cached library; with no compiler the LoRA fast path
+    keeps torch's matmuls after one warning."""
     from scpdr import lora_fast, testing
 
-    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
-    monkeypatch.setattr(_kernel, "_STATE", {})
-    assert _kernel.packed_gemm_kernel() is not None
-    built = sorted((tmp_path / "kernels").glob("packed_gemm-*.so"))
+    assert gemm.library() is not None
+    built = sorted(fresh.glob("packed_gemm-*.so"))
     assert len(built) == 1
-    monkeypatch.setattr(_kernel, "_STATE", {})
-    assert _kernel.packed_gemm_kernel() is not None  # loaded from the cache, not rebuilt
-    assert sorted((tmp_path / "kernels").glob("packed_gemm-*.so")) == built
-    monkeypatch.setattr(_kernel, "_STATE", {})
+    kernels.reset()
+    assert gemm.library() is not None  # loaded from the cache, not rebuilt
+    assert sorted(fresh.glob("packed_gemm-*.so")) == built
+    kernels.reset()
     monkeypatch.setenv("CC", "definitely-not-a-compiler")
     model = testing.tiny_model(0, num_layers=1)
     name = "model.layers.0.self_attn.q_proj"
     adapter = testing.random_lora_adapter(model, name, rank=2)
-    with caplog.at_level(logging.WARNING, logger="scpdr._kernel"):
+    with caplog.at_level(logging.WARNING, logger="scpdr.kernels"):
         stack = lora_fast.StackedLoRA(model, [adapter, None], ["a", "base"])
     assert "packed CPU matmul kernel is not available" in caplog.text
     assert stack.model.get_submodule(name).weight_packed is None
 
 
-def test_packed_gemm_without_openmp_builds_single_threaded(monkeypatch, tmp_path, caplog):
+def test_packed_gemm_without_openmp_builds_single_threaded(fresh, monkeypatch, caplog):
     """A compiler without OpenMP (e.g. clang with no libomp): the kernel is built without
     -fopenmp and still loads (the parallel pragmas are ignored; results are the same)."""
-    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
-    monkeypatch.setattr(_kernel, "_STATE", {})
-    real_build = _kernel._build
+    real = build.compile_library
 
-    def build(name, source, compiler, extra=()):
+    def compile_library(name, source, compiler, target, extra=()):
         if "-fopenmp" in extra:
             raise RuntimeError("cc: error: unsupported option '-fopenmp'")
-        return real_build(name, source, compiler, extra)
+        return real(name, source, compiler, target, extra)
 
-    monkeypatch.setattr(_kernel, "_build", build)
-    with caplog.at_level(logging.INFO, logger="scpdr._kernel"):
-        lib = _kernel.packed_gemm_kernel()
-    assert lib is not None and "building it single-threaded" in caplog.text
-    x, w = torch.randn(7, 40), torch.randn(70, 40)
-    from scpdr.lora_fast import pack_panels
+    monkeypatch.setattr(build, "compile_library", compile_library)
+    with caplog.at_level(logging.INFO, logger="scpdr.kernels"):
+        lib = gemm.library()
+    assert lib is not None and not lib.lib.openmp and "building it single-threaded" in caplog.text
+    _gemm_check(lib)
 
-    packed, y = pack_panels(w), torch.empty(7, 70)
-    lib.scpdr_gemm_packed_f32(
-        7, 70, 40, x.data_ptr(), 40, packed.data_ptr(), y.data_ptr(), 70, 0, 2
-    )
-    torch.testing.assert_close(y, x @ w.t(), atol=1e-4, rtol=1e-4)
+
+def test_the_gemm_choice_is_measured_logged_and_remembered(fresh, caplog):
+    """choose_gemm times the kernel against torch's layers on the model's shapes at the decode
+    row counts (G and 8·G), keeps the faster, logs it once; a forced side is not measured."""
+    from scpdr.lora_layers import choose_gemm
+
+    shapes = [(96, 96, 4), (96, 32, 4), (192, 96, 0)]
+    with caplog.at_level(logging.INFO, logger="scpdr.kernels"):
+        chosen = choose_gemm(shapes, groups=3, lora=2)
+        assert choose_gemm(shapes, groups=3, lora=2) is chosen  # remembered
+    lines = [r.getMessage() for r in caplog.records if "packed GEMM" in r.getMessage()]
+    assert len(lines) == 1 and "× torch at 3 rows" in lines[0] and "at 24 rows" in lines[0]
+    assert lines[0].endswith("kernel used" if chosen is not None else "torch used")
+    assert len(list(fresh.glob("packed_gemm-*.choices.json"))) == 1
+    with kernels.force("packed_gemm", "torch"):
+        assert choose_gemm(shapes, groups=3, lora=2) is None
+    with kernels.force("packed_gemm", "kernel"):
+        assert choose_gemm(shapes, groups=3, lora=2) is gemm.library()
+
+
+# --------------------------------------------------------------------------------------------
+# CP-Fuse's statistics
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(1, 3),
+    vocab=st.sampled_from([1, 7, 512, 513, 5000]),
+    ni=st.integers(1, 12),
+    nj=st.integers(1, 12),
+    step=st.sampled_from([0.1, 0.2, 0.5]),
+)
+def test_cp_fuse_statistics_equal_float64_sums(seed, rows, vocab, ni, nj, step):
+    lib = kernels.cp_fuse.library()
+    assert lib is not None
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(torch.randn(2, rows, vocab, generator=g) * 4, -1).clamp_min(-20)
+    got = kernels.cp_fuse.run(lib, lp, step, ni, nj)
+    l1, l2 = lp[0].double(), lp[1].double()
+    u = torch.stack([torch.exp(step * i * l1) for i in range(ni)], 1)  # (R, ni, V)
+    w = torch.stack([torch.exp(step * j * l2) for j in range(nj)], 1)  # (R, nj, V)
+    w = torch.cat([w, w * l1.unsqueeze(1), w * l2.unsqueeze(1)], 1)
+    want = u @ w.transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# another ISA: aarch64 NEON under qemu-user
+
+
+@pytest.mark.skipif(
+    not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")),
+    reason="needs Debian's gcc-aarch64-linux-gnu and qemu-user",
+)
+def test_the_neon_build_under_qemu(tmp_path):
+    """The three kernels built for aarch64 (the NEON tile of packed_gemm.c) give the right
+    matmuls, normalized SCP-Δr rows, the id tie-break and CP-Fuse's sums (kernel_harness.c)."""
+    src = Path(scp.__file__).parent
+    exe = tmp_path / "harness"
+    cmd = ["aarch64-linux-gnu-gcc", "-O3", "-march=armv8-a", "-fopenmp-simd", "-fno-math-errno",
+           "-static", "-o", str(exe), str(Path(__file__).with_name("kernel_harness.c")),
+           *(str(src / f) for f in ("packed_gemm.c", "scp_delta_r.c", "cp_fuse.c")), "-lm"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    out = subprocess.run(["qemu-aarch64", str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    assert "isa neon, panel width 16" in out.stdout

@@ -18,7 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scpdr import _kernel, lora_fast, models, testing
+from scpdr import kernels, lora_fast, methods, models, testing
+from scpdr.kernels.gemm import pack_panels, unpack_panels
 from scpdr.lora_fast import (
     LoraAdapter,
     StackedLoRA,
@@ -27,10 +28,12 @@ from scpdr.lora_fast import (
     save_random_lora,
     stacked_from_bundle,
 )
-from scpdr.protected import ProtectedLM
+from scpdr.runtime import ProtectedLM
 
-#: whether the packed C kernel builds here (else the fast path uses torch's matmuls)
-KERNEL = _kernel.packed_gemm_kernel() is not None
+#: the packed C kernel, where it builds here with a register tile for this ISA (else the fast
+#: path uses torch's matmuls); the tests below force it on where they test it
+GEMM = kernels.gemm.library()
+KERNEL = GEMM is not None and GEMM.tiled
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (r, alpha, targets, rslora) of the three adapters: different ranks, different target sets,
 # lm_head on a tied-embedding model, rsLoRA scaling.
@@ -42,16 +45,10 @@ ADAPTERS = [
 PROMPTS = ["My secret code is", "Hello there, how are you doing today", "x"]
 MAX_NEW = [4, 7, 5]  # rows finish at different steps: the stacked cache drops rows mid-decode
 ATOL = 1e-4
-CONFIGS = [  # (method, variant)
-    ("cp-delta", None),
-    ("cp-kl", None),
-    ("cp-delta-r", None),
-    ("scp-delta-r", "b"),
-    ("scp-delta-r", "c"),
-    ("scp-delta", "b"),
-    ("scp-delta", "c"),
-    ("cp-fuse", None),
-]
+VARIANT = {"model": "b", "constant": "c", None: None}
+# (rule, variant) of every aggregating result row but "none" (one model: no fast path)
+SPECS = [s for s in methods.SPECS.values() if s.kind == "aggregate" and s.rule != "none"]
+CONFIGS = [(s.rule, VARIANT[s.base]) for s in SPECS]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -137,7 +134,7 @@ def _general(lora, k, method, variant):
 def _fast(lora, stacks, k, method, variant):
     stack = stacks[k, "b" if variant == "b" else None]
     vec = lora["vec"] if variant == "c" else None
-    return stack.protected(lora["tok"], method=method, base_vector=vec)
+    return ProtectedLM.from_runner(stack, lora["tok"], method=method, base_vector=vec)
 
 
 def _encode(tok, side):
@@ -145,7 +142,7 @@ def _encode(tok, side):
 
 
 def _assert_same(fast, general, tok):
-    assert fast._stacked is not None and general._stacked is None
+    assert fast.fast_path.on and not general.fast_path.on
     enc = _encode(tok, "right")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     ids0, mask0 = ids.clone(), mask.clone()
@@ -184,6 +181,7 @@ def _assert_same(fast, general, tok):
     ("k", "method", "variant"),
     [(2, method, variant) for method, variant in CONFIGS]
     + [(3, "cp-delta-r", None), (3, "scp-delta-r", "b"), (3, "scp-delta", "c")],
+    ids=[f"2-{s.name}" for s in SPECS] + ["3-cp-delta-r", "3-scp-delta-r-b", "3-scp-delta-c"],
 )
 def test_fast_path_matches_general_path(lora, stacks, k, method, variant):
     fast = _fast(lora, stacks, k, method, variant)
@@ -196,11 +194,12 @@ def test_from_bundle_detects_lora_constituents(lora, caplog):
     with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
         lm = ProtectedLM.from_bundle(lora["bundle"], method="scp-delta-r")
     assert "LoRA fast path on" in caplog.text
-    assert lm._stacked.num_groups == 4 and lm._stacked.num_lora == 3  # base group: no delta
+    assert lm.fast_path.on and "4 groups (3 with LoRA adapters)" in lm.fast_path.reason
+    assert lm.runner.num_groups == 4 and lm.runner.num_lora == 3  # base group: no delta
     assert lm.name == "scp-delta-r-b" and lm.num_constituents == 3
     _assert_same(lm, _general(lora, 3, "scp-delta-r", "b"), lora["tok"])
     c = ProtectedLM.from_bundle(lora["bundle"], method="cp-delta-r")
-    assert c._stacked.num_groups == 3 and c.name == "cp-delta-r"
+    assert c.runner.num_groups == 3 and c.name == "cp-delta-r"
     _assert_same(c, _general(lora, 3, "cp-delta-r", None), lora["tok"])
 
 
@@ -310,7 +309,10 @@ def test_stacked_forward_equals_merged_weights(seed, plan, batch, tokens, wide, 
                     ref.get_submodule(name).weight += s * b @ a
         groups.append(LoraAdapter(Path(f"g{i}"), "base", mods, {}))
         merged.append(ref)
-    stack = StackedLoRA(model, groups, [f"g{i}" for i in range(len(groups))], use_kernel=use_kernel)
+    with kernels.force("packed_gemm", "kernel"):  # not measured: the packed layers tested
+        stack = StackedLoRA(
+            model, groups, [f"g{i}" for i in range(len(groups))], use_kernel=use_kernel
+        )
     packed = [m.weight_packed is not None for m in _wrapped(stack)]
     assert all(packed) if use_kernel and KERNEL else not any(packed)
     ids = torch.randint(3, 97, (batch, tokens), generator=gen)
@@ -358,12 +360,14 @@ def test_wide_weights_from_checkpoint_source(tmp_path, use_kernel):
     for source in (good, bad):
         base = models.load_model(tmp_path / "m")
         adapter = LoraAdapter(tmp_path / "a", "base", {name: (a, b, 0.5)}, {})
-        stack = StackedLoRA(
-            base, [adapter, None], ["a", "base"], weight_source=source, use_kernel=use_kernel
-        )
+        with kernels.force("packed_gemm", "kernel"):
+            stack = StackedLoRA(
+                base, [adapter, None], ["a", "base"], weight_source=source, use_kernel=use_kernel
+            )
         layer = stack.model.get_submodule(name)
         if use_kernel:
-            assert layer.weight_packed.shape == (1, 1200, lora_fast.PANEL)
+            width = GEMM.panel_width
+            assert layer.weight_packed.shape == (-(-16 // width), 1200, width)
             assert torch.equal(
                 layer.weight, models.load_model(tmp_path / "m").get_submodule(name).weight
             )
@@ -400,7 +404,7 @@ def test_full_model_constituent_falls_back_with_reason(lora, caplog):
     )
     with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
         lm = ProtectedLM.from_bundle(path, method="scp-delta-r")
-    assert lm._stacked is None
+    assert not lm.fast_path.on and "full model, not a LoRA adapter" in lm.fast_path.reason
     assert "LoRA fast path off" in caplog.text and "full model, not a LoRA adapter" in caplog.text
     general = ProtectedLM(
         [lora["merged"][0], models.load_model(root / "full")], lora["tok"], base_model=lora["base"]
@@ -496,7 +500,7 @@ def _packed_layer(gen, n_in, n_out, rank, groups_with_lora, bias):
     if groups_with_lora:
         a = torch.randn(groups_with_lora, n_in, rank, generator=gen)
         b = torch.randn(groups_with_lora, rank, n_out, generator=gen)
-    mode = lora_fast._Mode()
+    mode = lora_fast.GroupMode()
     return layer, a, b, mode
 
 
@@ -523,7 +527,7 @@ def test_packed_kernel_equals_its_torch_reference(
     gen = torch.Generator().manual_seed(seed)
     lora = min(lora, groups)
     layer, a, b, mode = _packed_layer(gen, n_in, n_out, rank, lora, bias)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     assert lin.weight_packed is not None
     torch.testing.assert_close(lin.weight, layer.weight, atol=0, rtol=0)  # lossless layout
     x = torch.randn(groups * rows, n_in, generator=gen)
@@ -546,7 +550,7 @@ def test_packed_layer_keeps_autograd_through_the_torch_reference():
     """With a graph to build, the packed layer runs its torch reference: gradients reach x."""
     gen = torch.Generator().manual_seed(0)
     layer, a, b, mode = _packed_layer(gen, 10, 70, 3, 2, True)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     mode.stacked = 2
     x = torch.randn(4, 10, generator=gen, requires_grad=True)
     y = lin(x)
@@ -569,10 +573,11 @@ def test_kernel_switch_keeps_torch_matmuls(monkeypatch):
     stack = StackedLoRA(model, [adapter, None], ["a", "base"])
     assert not any(m.weight_packed is not None for m in _wrapped(stack))
     w = torch.randn(130, 9)
-    packed = lora_fast.pack_panels(w)
-    assert packed.shape == (3, 9, lora_fast.PANEL)
-    assert torch.equal(lora_fast.unpack_panels(packed, 130), w)
-    assert not packed[2, :, 2:].any()  # columns past n are zeros
+    for width in (16, 24, 32, 64):
+        packed = pack_panels(w, width)
+        assert packed.shape == (-(-130 // width), 9, width)
+        assert torch.equal(unpack_panels(packed, 130), w)
+        assert not packed[-1, :, 130 % width :].any()  # columns past n are zeros
 
 
 @needs_kernel
@@ -585,10 +590,11 @@ def test_tied_embeddings_are_read_from_the_packed_head():
     adapter = testing.random_lora_adapter(
         model, "model.layers.0.self_attn.v_proj", rank=3, scale=0.5
     )
-    stack = StackedLoRA(model, [adapter, None], ["a", "base"], release_adapters=True)
+    with kernels.force("packed_gemm", "kernel"):
+        stack = StackedLoRA(model, [adapter, None], ["a", "base"], release_adapters=True)
     packed_emb = stack.model.get_input_embeddings()
     assert isinstance(packed_emb, lora_fast.PackedEmbedding)
-    assert packed_emb._head is stack.model.get_output_embeddings()
+    assert packed_emb.head is stack.model.get_output_embeddings()
     ids = torch.tensor([[0, 1, 63, 64, 65, 96], [5, 5, 0, 95, 96, 2]])
     assert torch.equal(packed_emb(ids), emb[ids])
     assert torch.equal(packed_emb.weight, emb)
@@ -602,7 +608,7 @@ def test_packed_kernel_gives_the_same_bits_on_any_thread_count(rows):
     same order, so 1 and 2 threads agree bit for bit (and with the torch reference)."""
     gen = torch.Generator().manual_seed(rows)
     layer, a, b, mode = _packed_layer(gen, 576, 1000, 64, 3, False)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     mode.stacked = 3
     x = torch.randn(3 * rows, 576, generator=gen)
     n = torch.get_num_threads()
@@ -615,7 +621,7 @@ def test_packed_kernel_gives_the_same_bits_on_any_thread_count(rows):
     finally:
         torch.set_num_threads(n)
     assert torch.equal(outs[0], outs[1])
-    want = lin._packed_reference(x, 3, 0, 3)
+    want = lin.reference_forward(x)
     torch.testing.assert_close(outs[0], want, atol=2e-3, rtol=1e-4)
 
 
@@ -625,7 +631,7 @@ def test_packed_layer_takes_other_dtypes_through_the_reference():
     and the output keeps the input's dtype."""
     gen = torch.Generator().manual_seed(1)
     layer, a, b, mode = _packed_layer(gen, 32, 70, 4, 1, False)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     mode.single = 0
     x = torch.randn(5, 32, generator=gen)
     with torch.inference_mode():
@@ -644,7 +650,7 @@ def test_packed_layer_edge_cases():
 
     gen = torch.Generator().manual_seed(3)
     layer, a, b, mode = _packed_layer(gen, 8, 70, 0, 1, False)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, kernel=_kernel.packed_gemm_kernel())
+    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     mode.stacked = 2
     x = torch.randn(4, 8, generator=gen)
     with torch.inference_mode():
@@ -655,7 +661,8 @@ def test_packed_layer_edge_cases():
         assert torch.equal(twin(x), lin(x))
     model = _tiny_llama(2, wide=False)
     adapter = testing.random_lora_adapter(model, "model.layers.0.self_attn.v_proj", rank=2)
-    emb = StackedLoRA(model, [adapter, None], ["a", "base"]).model.get_input_embeddings()
+    with kernels.force("packed_gemm", "kernel"):
+        emb = StackedLoRA(model, [adapter, None], ["a", "base"]).model.get_input_embeddings()
     for bad in (-1, 97, 127):  # 97..127: zero columns of the last panel
         with pytest.raises(IndexError, match=r"token ids must be in \[0, 97\)"):
             emb(torch.tensor([[3, bad]]))

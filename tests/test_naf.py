@@ -8,12 +8,14 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from scipy.special import logsumexp
 
 from scpdr import naf
 from scpdr.errors import ConfigError, VocabularyMismatchError
+from scpdr.naf.floor import scratch_buffer
+from scpdr.naf.smoothing import top_m_indices
 from scpdr.testing import extreme_logits
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -239,14 +241,42 @@ def test_scp_delta_r_at_50k_vocab_not_divisible_by_64():
     np.testing.assert_allclose(out.double().numpy(), want, atol=5e-5, rtol=0)
 
 
+# Inputs the fused kernel got wrong before its normalization was fixed (issue 14): m close to V
+# and large logits put almost all of the base's mass on the kept tokens, where the closed-form
+# normalizer cancelled (all outputs off by 0.09 and by 2.3e-3 nats).
+PINNED_M_NEAR_V = [
+    (
+        [[[-21, -12, -8, 11, 5, 6, 26, 25, 18, 1, -18, 20]],
+         [[-7, -2, -22, -5, -17, 24, -22, -20, -1, -14, 9, -10]]],
+        [[-12, 1, 19, -18, 12, 17, 25, -18, 6, -19, 22, -10]],
+        11,
+    ),
+    (
+        [[[17, -24, -15, -10, -17, 14, -21, 28, -12, 18, 1, -13, 20, -23, -16, 4]],
+         [[24, -13, -18, -19, -13, -10, -7, -17, 9, 0, -20, -17, 6, 0, 21, -5]]],
+        [[-24, -22, -9, -7, 3, -7, 11, -10, 22, 7, -9, 27, 8, -20, -17, 19]],
+        15,
+    ),
+]  # fmt: skip
+
+
+def pinned_m_near_v(i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    x, base, m = PINNED_M_NEAR_V[i]
+    return torch.tensor(x, dtype=torch.float32), torch.tensor(base, dtype=torch.float32), m
+
+
 @SETTINGS
 @given(data=inputs(max_k=4))
+@example(data=pinned_m_near_v(0))
+@example(data=pinned_m_near_v(1))
 def test_scp_delta_r_fast_path_equals_cp_delta_r_of_smoothed_rpds(data):
+    """SCP-Δr as served (the fused kernel where chosen, else the torch path) and its torch path
+    both equal the definition: CP-Δr of the smoothed RPDs (Alg. 1), densely in float64."""
     x, base, m = data
     assume(ref_batch("scp-delta-r", x, base, m)[1] > 1e-4)  # the top-m set is unambiguous
-    fast = naf.scp_delta_r(x, base=base, m=m)
     dense = torch.log_softmax(naf.smoothed_rpds(x, base, m).double().amin(0), -1)
-    np.testing.assert_allclose(fast.double().numpy(), dense.numpy(), atol=2e-5, rtol=0)
+    for fast in (naf.scp_delta_r(x, base=base, m=m), naf.scp_delta_r_torch(x, base=base, m=m)):
+        np.testing.assert_allclose(fast.double().numpy(), dense.numpy(), atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
@@ -262,21 +292,28 @@ def test_aggregate_with_components_is_aggregate_plus_the_naf_distributions(metho
 
 
 @pytest.mark.parametrize("base_shape", ["full", "vector", "one-row"])
-def test_scp_delta_r_chunking_gives_the_same_rows(monkeypatch, base_shape):
+def test_scp_delta_r_chunking_gives_the_same_rows(base_shape):
+    """The torch path works through the batch in chunks (SCP_CHUNK_ELEMENTS); every row is
+    computed the same way whatever the chunking, with and without the components."""
     x, base = make_logits(13, 2, (3, 2), 512, 3.0, spikes=2)
     base = {"full": base, "vector": base[0, 0], "one-row": base[0, :1]}[base_shape]
-    whole = naf.aggregate("scp-delta-r", x, base=base, m=7)
-    whole_c = naf.aggregate_with_components("scp-delta-r", x, base=base, m=7)
+    whole = naf.scp_delta_r_torch(x, base=base, m=7)
     for rows in (1, 4):
-        monkeypatch.setattr(naf, "SCP_CHUNK_ELEMENTS", rows * 2 * 512)
-        torch.testing.assert_close(naf.aggregate("scp-delta-r", x, base=base, m=7), whole)
-        for a, b in zip(
-            naf.aggregate_with_components("scp-delta-r", x, base=base, m=7), whole_c, strict=True
-        ):
-            torch.testing.assert_close(a, b)
+        chunked = naf.scp_delta_r_torch(x, base=base, m=7, chunk_elements=rows * 2 * 512)
+        torch.testing.assert_close(chunked, whole)
     want, gap = ref_batch("scp-delta-r", x, base, 7)
     assert gap > 1e-4
     np.testing.assert_allclose(whole.double().numpy(), want, atol=5e-5, rtol=0)
+    # the components' path: more rows than one default chunk, against rows computed alone
+    rows = naf.SCP_CHUNK_ELEMENTS // (2 * 512) + 3
+    xb, bb = make_logits(14, 2, (rows,), 512, 3.0)
+    bb = {"full": bb, "vector": bb[0], "one-row": bb[:1]}[base_shape]
+    log_r, comps = naf.aggregate_with_components("scp-delta-r", xb, base=bb, m=7)
+    for sl in (slice(0, 2), slice(rows - 2, rows)):
+        part_b = bb if bb.ndim == 1 or bb.shape[0] == 1 else bb[sl]
+        part = naf.aggregate_with_components("scp-delta-r", xb[:, sl], base=part_b, m=7)
+        torch.testing.assert_close(part[0], log_r[sl])
+        torch.testing.assert_close(part[1], comps[:, sl])
 
 
 def test_none_returns_constituent_zero_and_accepts_k1():
@@ -397,7 +434,7 @@ def test_block_top_m_selects_the_same_set_as_topk(seed, rows, vocab, m, dup):
     score = torch.randn(rows, vocab, generator=g)
     if dup:  # many exact ties below the top
         score = score.clamp_max(0.5)
-    idx = naf._top_m_indices(score, m)
+    idx = top_m_indices(score, m)
     assert idx.shape == (rows, m)
     assert all(len(set(r)) == m for r in idx.tolist())
     got = score.gather(-1, idx).sort(-1).values
@@ -464,7 +501,7 @@ def test_outputs_survive_later_calls_that_reuse_the_scratch_buffer():
     for method in ALL_METHODS:
         assert torch.equal(firsts[method], kept[method]), method
     assert all(torch.equal(a, b) for a, b in zip(extra, extra_kept, strict=True))
-    scratch = naf._SCRATCH.buf
+    scratch = scratch_buffer()
     assert scratch is not None
     lo, hi = scratch.data_ptr(), scratch.data_ptr() + scratch.numel() * 4
     for t in [*firsts.values(), *extra]:
@@ -540,14 +577,13 @@ def test_cp_fuse_step_matches_brute_force(seed, batch, vocab, scale, first_step)
         np.testing.assert_allclose(log_r[i].double().numpy(), want, atol=5e-5, rtol=0)
 
 
-def test_cp_fuse_default_grid_and_chunking(monkeypatch):
+def test_cp_fuse_default_grid_and_chunking():
     assert len(naf.CP_FUSE_GRID) == 120 and (0.0, 0.0) not in naf.CP_FUSE_GRID
     assert {a for a, _ in naf.CP_FUSE_GRID} == set(naf.CP_FUSE_WEIGHTS)
     x, _ = make_logits(3, 2, (4,), 500, 3.0)
     path = -torch.rand(2, 4) * 5
-    full = naf.cp_fuse_step(x, path)
-    monkeypatch.setattr(naf, "CP_FUSE_CHUNK_ELEMENTS", 7 * 4 * 500)  # 7 grid points per chunk
-    chunked = naf.cp_fuse_step(x, path)
+    full = naf.cp_fuse_reference(x, path)
+    chunked = naf.cp_fuse_reference(x, path, chunk_elements=7 * 4 * 500)  # 7 points a chunk
     torch.testing.assert_close(full[0], chunked[0])
     torch.testing.assert_close(full[1], chunked[1])
 
@@ -624,3 +660,53 @@ def test_shape_and_dtype_errors():
         naf.cp_fuse_step(torch.randn(2, 10), 0.0, grid=[(1.0, 1.0, 1.0)])
     with pytest.raises(ValueError, match=r"no pair may be \(0, 0\)"):
         naf.cp_fuse_step(torch.randn(2, 10), 0.0, grid=[(0.0, 0.0)])
+
+
+GRIDS = {
+    "default": None,
+    "coarse-lattice": [(0.5 * i, 0.5 * j) for i in range(5) for j in range(5) if i or j],
+    "no-lattice": [(0.3, 0.7), (1.0, 0.0), (0.45, 1.1), (2.0, 0.15)],
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 2),
+    vocab=st.sampled_from([5, 64, 1000, 49152]),
+    scale=st.sampled_from([0.3, 2.0, 8.0]),
+    first_step=st.booleans(),
+    grid=st.sampled_from(sorted(GRIDS)),
+)
+def test_cp_fuse_statistics_choose_the_reference_weights(
+    seed, batch, vocab, scale, first_step, grid
+):
+    """The sufficient-statistics path (the C kernel on a lattice grid) chooses the weights the
+    slow reference chooses, except between grid points whose float64 objectives differ by less
+    than float32 rounding, and serves the same distribution for them."""
+    from scpdr import kernels
+
+    x, _ = make_logits(seed, 2, (batch,), vocab, scale)
+    g = torch.Generator().manual_seed(seed + 1)
+    path = torch.zeros(2, batch) if first_step else -torch.rand(2, batch, generator=g) * 20
+    with kernels.force("cp_fuse", "kernel"):
+        log_r, w = naf.cp_fuse_step(x, path, grid=GRIDS[grid])
+    ref_r, ref_w = naf.cp_fuse_reference(x, path, grid=GRIDS[grid])
+    pts = naf.CP_FUSE_GRID if GRIDS[grid] is None else GRIDS[grid]
+    lps = x.double().numpy()
+    for i in range(batch):
+        if torch.equal(w[i], ref_w[i]):
+            torch.testing.assert_close(log_r[i], ref_r[i], atol=1e-5, rtol=1e-6)
+            continue
+        lp = np.stack([ref_floor(lps[0, i]), ref_floor(lps[1, i])])
+        objs, _ = ref_cp_fuse(lp, path[:, i].double().numpy(), pts)
+        pick = [min(range(len(pts)), key=lambda j, v=v: abs(pts[j][0] - v[0]) + abs(pts[j][1] - v[1]))
+                for v in (w[i].tolist(), ref_w[i].tolist())]  # fmt: skip
+        assert abs(objs[pick[0]] - objs[pick[1]]) <= 1e-5
+
+
+def test_cp_fuse_lattice_detection():
+    step, exps = naf.cp_fuse.lattice(torch.tensor(naf.CP_FUSE_GRID))
+    assert step == pytest.approx(0.2) and int(exps.max()) == 10 and exps.shape == (120, 2)
+    assert naf.cp_fuse.lattice(torch.tensor(GRIDS["no-lattice"])) is None
+    assert naf.cp_fuse.lattice(torch.tensor([[3.0, 3.0], [1.0, 0.0]])) is None  # sum > 4

@@ -8,23 +8,17 @@ import math
 import pytest
 import torch
 
-from scpdr import bounds, models, naf, testing
+from scpdr import bounds, methods, models, naf, testing
 from scpdr.errors import BundleError
-from scpdr.protected import METHODS, Generation, ProtectedLM, ScoreOutput
+from scpdr.runtime import METHODS, Generation, ProtectedLM, SamplingParams, ScoreOutput
 
 SECRET = "My secret code is 8675309.<|im_end|>"
 PROMPTS = ["My secret code is", "Hello there, how are", "x"]
-# (method, variant) of every configuration the runtime offers
-CONFIGS = [
-    ("none", None),
-    ("cp-delta", None),
-    ("cp-kl", None),
-    ("cp-delta-r", None),
-    ("scp-delta-r", "b"),
-    ("scp-delta-r", "c"),
-    ("scp-delta", "b"),
-    ("cp-fuse", None),
-]
+VARIANT = {"model": "b", "constant": "c", None: None}
+# (rule, variant) of every result row that aggregates the bundle's models (scpdr.methods)
+SPECS = [s for s in methods.SPECS.values() if s.kind == "aggregate"]
+CONFIGS = [(s.rule, VARIANT[s.base]) for s in SPECS]
+IDS = [s.name for s in SPECS]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +85,7 @@ def _ref_greedy(parts, method, variant, prompt_ids, n):
     return toks, lps, kxs, txs
 
 
-@pytest.mark.parametrize(("method", "variant"), CONFIGS)
+@pytest.mark.parametrize(("method", "variant"), CONFIGS, ids=IDS)
 def test_cached_batched_decoding_equals_uncached_reference(parts, method, variant):
     lm = _lm(parts, method, variant)
     n = 3 if method == "cp-fuse" else 5
@@ -117,7 +111,7 @@ def test_certificates_are_finite_and_small_for_scp(parts):
 
 def test_none_runs_only_constituent_zero(parts):
     lm = _lm(parts, "none")
-    assert lm._run == parts["cons"][:1]
+    assert lm.runner.models == parts["cons"][:1]
     g = lm.generate(["My secret code is"], max_new_tokens=12)[0]
     assert g.text.startswith(" 8675309")  # constituent 0 memorized the secret ...
     assert g.token_ids[-1] == 2 and g.finish_reason == "stop"  # ... and its <|im_end|>
@@ -237,6 +231,125 @@ def test_cp_fuse_score_uses_prefix_path_logprobs(parts):
     # position 0 is path-free: next_token_logprobs agrees there
     nt = lm.next_token_logprobs(ids[:, :1])
     assert abs(float(nt[0, ids[0, 1]]) - float(got[0, 0])) < 1e-4
+
+
+def _right_padded(rows, pad=2):
+    t = max(len(r) for r in rows)
+    ids = torch.full((len(rows), t), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), t), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.tensor(r)
+        mask[b, : len(r)] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(("method", "variant"), CONFIGS, ids=IDS)
+def test_score_with_prompt_lengths_equals_what_generate_returned(parts, method, variant, sampled):
+    """Issue 15: a fresh request starts CP-Fuse's path at its prompt's end, so scoring
+    prompt + completion with prompt_lengths gives generate's log-probs and certificates, for
+    every method; the stateless rules do not depend on prompt_lengths."""
+    lm = _lm(parts, method, variant)
+    kw = {"temperature": 1.0, "top_k": 50, "seed": [3, 4]} if sampled else {}
+    gens = lm.generate(PROMPTS[:2], max_new_tokens=4, stop_at_eos=False, **kw)
+    rows = [g.prompt_token_ids + g.token_ids for g in gens]
+    lengths = [len(g.prompt_token_ids) for g in gens]
+    ids, mask = _right_padded(rows)
+    out = lm.score(ids, mask, prompt_lengths=lengths, k_x=True, t_x=True)
+    for b, g in enumerate(gens):
+        span = slice(lengths[b] - 1, lengths[b] - 1 + len(g.token_ids))  # predicting the completion
+        assert out.token_logprobs[b, span].tolist() == pytest.approx(g.logprobs, abs=1e-4)
+        assert out.k_x[b, span].tolist() == pytest.approx(g.k_x, abs=1e-4, rel=1e-4)
+        assert out.t_x[b, span].tolist() == pytest.approx(g.t_x, abs=1e-4, rel=1e-4)
+    # CP-Fuse's path from each row's first token (the old protocol) differs
+    whole = lm.score(ids, mask, k_x=True, t_x=True).token_logprobs
+    gap = float((whole - out.token_logprobs).abs().max())
+    assert gap > 1e-3 if method == "cp-fuse" else gap == 0.0
+    # the prompt positions are fresh requests too: path length 0 (next_token_logprobs)
+    b, t = 0, lengths[0] - 2
+    nt = lm.next_token_logprobs(ids[b : b + 1, : t + 1])[0]
+    assert float(out.token_logprobs[b, t]) == pytest.approx(float(nt[ids[b, t + 1]]), abs=1e-4)
+
+
+def test_prompt_lengths_are_checked(parts):
+    lm = _lm(parts, "cp-fuse")
+    ids, mask = _right_padded([[1, 520, 905], [1, 520]])
+    for bad in ([0, 1], [4, 1], [1, 3], [1], [1.5, 1]):
+        with pytest.raises(ValueError, match="prompt_lengths"):
+            lm.score(ids, mask, prompt_lengths=bad)
+    full = lm.score(ids, mask, prompt_lengths=[3, 2])  # whole rows are prompts: no path at all
+    fresh = [lm.next_token_logprobs(ids[:1, : t + 1])[0, ids[0, t + 1]] for t in range(2)]
+    assert full[0].tolist() == pytest.approx([float(x) for x in fresh], abs=1e-4)
+
+
+def test_echo_scores_the_prompt_as_fresh_requests(parts):
+    lm = _lm(parts, "cp-fuse")
+    params = [
+        SamplingParams(max_new_tokens=2, echo=True, logprobs=3),
+        SamplingParams(max_new_tokens=0, echo=True),
+        SamplingParams(max_new_tokens=1),
+    ]
+    gens = lm.generate(PROMPTS, sampling=params)
+    assert gens[2].prompt_logprobs is None and gens[2].top_logprobs is None
+    for g, p in zip(gens[:2], params[:2], strict=True):
+        pl = g.prompt_logprobs
+        ids = torch.tensor([g.prompt_token_ids])
+        n = ids.shape[1] - 1
+        assert len(pl.token_logprobs) == len(pl.k_x) == len(pl.t_x) == len(pl.top_logprobs) == n
+        for t in range(n):
+            nt = lm.next_token_logprobs(ids[:, : t + 1])[0]
+            assert pl.token_logprobs[t] == pytest.approx(float(nt[ids[0, t + 1]]), abs=1e-4)
+            want = torch.topk(nt, p.logprobs or 0)
+            assert [i for i, _ in pl.top_logprobs[t]] == want.indices.tolist()
+    assert len(gens[0].top_logprobs) == 2 and all(len(t) == 3 for t in gens[0].top_logprobs)
+    assert gens[1].token_ids == [] and gens[1].finish_reason == "length"
+    one = lm.prompt_logprobs([[5]])[0]  # a one-token prompt has nothing to score
+    assert one.token_logprobs == [] and one.top_logprobs == []
+    events = list(lm.generate_stream(PROMPTS[:1], sampling=params[0]))
+    assert events[0].token_id is None and events[0].finish_reason is None
+    got, want = events[0].prompt, gens[0].prompt_logprobs  # alone: another padding, same numbers
+    assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)
+
+
+def test_sampling_params_per_sequence_equal_keyword_arguments(parts):
+    lm = _lm(parts, "scp-delta-r", "b")
+    kw = {"max_new_tokens": [3, 5], "temperature": [0.0, 0.8], "top_p": 0.9, "seed": [None, 11]}
+    a = lm.generate(PROMPTS[:2], stop_at_eos=False, top_logprobs=2, **kw)
+    params = SamplingParams.per_prompt(2, stop_at_eos=False, top_logprobs=2, **kw)
+    assert params[1] == SamplingParams(5, 0.8, 0.9, 0, (), 11, 2, False, False)
+    b = lm.generate(PROMPTS[:2], sampling=params)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.top_logprobs for g in a] == [g.top_logprobs for g in b]
+    # stop_at_eos per sequence: the "none" model ends its secret with <|im_end|>
+    none = _lm(parts, "none")
+    both = none.generate(
+        [PROMPTS[0]] * 2,
+        sampling=[SamplingParams(12), SamplingParams(12, stop_at_eos=False)],
+    )
+    assert both[0].finish_reason == "stop" and both[0].token_ids[-1] == 2
+    assert both[1].finish_reason == "length" and len(both[1].token_ids) == 12
+    assert both[1].token_ids[: len(both[0].token_ids)] == both[0].token_ids
+    with pytest.raises(ValueError, match="one SamplingParams or one per prompt"):
+        lm.generate(PROMPTS[:2], sampling=[SamplingParams()])
+
+
+def test_fast_path_context_length_and_from_runner(parts, bundle):
+    lm = _lm(parts, "scp-delta-r", "b")
+    assert not lm.fast_path and "one forward per model" in lm.fast_path.reason
+    assert lm.context_length == parts["cons"][0].config.max_position_embeddings
+    loaded = ProtectedLM.from_bundle(bundle)  # full models: no shared base
+    assert str(loaded.fast_path) == "off: no constituent is a LoRA adapter"
+    from scpdr.runtime import PerModelRunner
+
+    runner = PerModelRunner([*parts["cons"], parts["base"]], ["a", "b", "base"], vocab_size=49152)
+    again = ProtectedLM.from_runner(runner, parts["tok"], method="scp-delta-r")
+    assert again.name == "scp-delta-r-b" and again.runner is runner and again.num_constituents == 2
+    ids = torch.tensor([[1, 520, 905, 30]])
+    torch.testing.assert_close(again.score(ids), lm.score(ids))
+    with pytest.raises(ValueError, match="runs one model"):
+        ProtectedLM.from_runner(runner, parts["tok"], method="none")
+    with pytest.raises(ValueError, match="runner runs 3 models"):
+        ProtectedLM(parts["cons"], parts["tok"], method="cp-delta", runner=runner)
 
 
 def test_sampling_is_reproducible_and_row_independent(parts):
@@ -417,15 +530,19 @@ def test_bundle_command(bundle, tmp_path):
 
 class _NoTensorKeepLlama:
     """A real tiny Llama whose forward accepts only int ``logits_to_keep`` (like architectures
-    without position selection): the runtime must fall back to indexing full logits."""
+    without position selection): the runtime must fall back to indexing full logits. Each model
+    counts the tensor calls it refused."""
 
     @staticmethod
     def make(model):
         from transformers import LlamaForCausalLM
 
         class Restricted(LlamaForCausalLM):
+            refused = 0
+
             def forward(self, *args, logits_to_keep=0, **kwargs):
                 if isinstance(logits_to_keep, torch.Tensor):
+                    self.refused += 1
                     raise TypeError("logits_to_keep must be an int here")
                 return super().forward(*args, logits_to_keep=logits_to_keep, **kwargs)
 
@@ -438,12 +555,8 @@ def test_models_without_tensor_logits_to_keep_give_the_same_scores(parts):
     texts = ["My secret code is 8675", "a b", "Hello there, how are you"]
     ids, mask = _padded(parts["tok"], texts, "right")
     normal = _lm(parts, "scp-delta-r", "b")
-    restricted = ProtectedLM(
-        [_NoTensorKeepLlama.make(c) for c in parts["cons"]],
-        parts["tok"],
-        base_model=_NoTensorKeepLlama.make(parts["base"]),
-        method="scp-delta-r",
-    )
+    made = [_NoTensorKeepLlama.make(c) for c in [*parts["cons"], parts["base"]]]
+    restricted = ProtectedLM(made[:-1], parts["tok"], base_model=made[-1], method="scp-delta-r")
     a = normal.score(ids, mask, k_x=True)
     b = restricted.score(ids, mask, k_x=True)
     torch.testing.assert_close(a.token_logprobs, b.token_logprobs, atol=1e-5, rtol=1e-5)
@@ -451,4 +564,6 @@ def test_models_without_tensor_logits_to_keep_give_the_same_scores(parts):
     torch.testing.assert_close(
         normal.next_token_logprobs(ids, mask), restricted.next_token_logprobs(ids, mask)
     )
-    assert len(restricted._full_logits_only) == 3 and not normal._full_logits_only
+    # each model refused a tensor once, then the runtime remembered to index its full logits
+    restricted.score(ids, mask)
+    assert [mdl.refused for mdl in made] == [1, 1, 1]

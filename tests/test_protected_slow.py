@@ -68,10 +68,10 @@ def test_lora_fast_path_on_the_real_model_equals_the_general_path(base, tmp_path
     ]
     bundle = models.write_bundle(tmp_path / "bundle", base="embedded", constituents=refs)
     fast = ProtectedLM.from_bundle(bundle, method="scp-delta-r", base="model")
-    assert fast._stacked is not None
+    assert fast.fast_path.on, fast.fast_path
     monkeypatch.setenv(lora_fast.ENV_SWITCH, "0")
     general = ProtectedLM.from_bundle(bundle, method="scp-delta-r", base="model")
-    assert general._stacked is None
+    assert not general.fast_path.on and "SCPDR_LORA_FAST=0" in general.fast_path.reason
     prompts = ["The capital of France is", "My favourite colour is blue because"]
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
     torch.testing.assert_close(

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Generation", "ProtectedLM", "__version__"]
+__all__ = ["Generation", "ProtectedLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from scpdr.protected import Generation, ProtectedLM
+    from scpdr.runtime import Generation, ProtectedLM, SamplingParams
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ProtectedLM", "Generation"):
-        from scpdr import protected
+    if name in ("ProtectedLM", "Generation", "SamplingParams"):
+        from scpdr import runtime
 
-        return getattr(protected, name)
+        return getattr(runtime, name)
     raise AttributeError(f"module 'scpdr' has no attribute {name!r}")

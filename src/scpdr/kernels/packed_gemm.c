@@ -1,21 +1,32 @@
 /* Float32 matmuls with a few rows on a packed weight layout, for the shared-base LoRA fast path
-   (scpdr/lora_fast.py; built and loaded by scpdr/_kernel.py).
+   (scpdr/lora_fast.py; built, measured against torch and loaded by scpdr/kernels/build.py).
 
    Decoding multiplies a few rows by every weight of the model. torch's sgemm (MKL) handles a
    few rows poorly on CPU (docs/lora_fast_path.md): 1 row streams the weights at ~9 GB/s and 24
    rows reach ~45% of the core's peak. Here a weight W (N, K) of y = x·Wᵀ is stored once as
-   panels of NR = 64 output columns, panel p being the (K, NR) block W[p·NR : p·NR + NR, :]ᵀ
-   (rows past N are zero), so that a micro-kernel holding an MR x NR tile of y in registers
-   (MR = 6 rows: 24 vector accumulators) reads each panel contiguously: one weight stream for up
-   to 6 rows, the panel re-read from L2 for the next 6 rows, and the rows' inputs broadcast from
-   L1/L2. Rows are processed in chunks whose inputs fit L2; past one chunk the weights of a layer
-   are re-read from L3.
+   panels of NR output columns, panel p being the (K, NR) block W[p·NR : p·NR + NR, :]ᵀ (rows
+   past N are zero), so that a micro-kernel holding an MR x NR tile of y in registers reads each
+   panel contiguously: one weight stream for up to MR rows, the panel re-read from L1/L2 for the
+   next MR rows, and the rows' inputs broadcast from L1/L2. Rows are processed in chunks whose
+   inputs fit L2; past one chunk the weights of a layer are re-read from L3.
 
-   Written with GCC vector extensions (64-byte vectors), so -march=native picks the ISA: one
-   AVX-512 register per vector, two AVX2 ones, etc. Built with -fopenmp where the compiler has
-   it: the library then needs libgomp.so.1, which resolves to the copy torch already loaded, so
-   the panels are split over torch's own thread pool (torch.get_num_threads() threads, passed
-   in). Results equal torch's up to the order of the float additions (tested against a torch
+   The tile is chosen at build time from the compiler's predefined macros so that its MR x NV
+   accumulators (NV vectors of the ISA's width per row, NR = NV x lanes) plus NV weight vectors
+   and one broadcast fit the register file:
+     AVX-512F       32 x 512-bit: MR 12, NR 32 (24 accumulators + 2 weights + 1 broadcast)
+     AVX2 + FMA     16 x 256-bit: MR 4,  NR 24 (12 accumulators + 3 weights + 1 broadcast)
+     aarch64 NEON   32 x 128-bit: MR 6,  NR 16 (24 accumulators + 4 weights + 1 broadcast)
+   (AVX-512 and AVX2 tiles measured against the alternatives on the embedded model's shapes at
+   1, 3, 8 and 24 rows, docs/performance.md; the NEON tile is only checked to compile to a loop
+   without spills, with GCC 12's aarch64 cross compiler).
+   Anything else builds a generic variant that scpdr_gemm_isa() names "generic": the Python
+   side does not use it (torch's matmuls instead). A 6 x 64 tile on AVX2 would need 48
+   accumulators for 16 registers and spill: 5-7x slower than torch (issue 14).
+
+   Written with GCC vector extensions. Built with -fopenmp where the compiler has it: the
+   library then needs libgomp.so.1, which resolves to the copy torch already loaded, so the
+   panels are split over torch's own thread pool (torch.get_num_threads() threads, passed in).
+   Results equal torch's up to the order of the float additions (tested against a torch
    reference on the same layout), the same for any thread count (each output is computed by one
    thread in the same order). */
 #include <stddef.h>
@@ -24,41 +35,79 @@
 #include <omp.h>
 #endif
 
-#define NR 64
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define NV 2
+#define MR 12
+#define ISA_NAME "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VBYTES 32
+#define NV 3
+#define MR 4
+#define ISA_NAME "avx2"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define VBYTES 16
+#define NV 4
 #define MR 6
+#define ISA_NAME "neon"
+#if defined(__GNUC__) && !defined(__clang__)
+/* GCC's pre-allocation scheduler hoists the row broadcasts and then spills accumulators (24
+   fmla with ~14 stack accesses per step in GCC 12); without it the loop keeps all in registers */
+#pragma GCC optimize("no-schedule-insns")
+#endif
+#else
+#define VBYTES 16
+#define NV 2
+#define MR 4
+#define ISA_NAME "generic"
+#endif
+#ifdef SCPDR_TILE_MR /* other tiles, for benchmarks/bench_kernels.py to time */
+#undef MR
+#define MR SCPDR_TILE_MR
+#endif
+#ifdef SCPDR_TILE_NV
+#undef NV
+#define NV SCPDR_TILE_NV
+#endif
+#define LANES (VBYTES / 4)
+#define NR (NV * LANES)
 #define X_CHUNK_BYTES (192 * 1024)
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float vf __attribute__((vector_size(VBYTES), aligned(4)));
+
+/* What this build is: the ISA its tile is for, and the tile (the Python side packs panels of
+   scpdr_panel_width() columns). */
+const char *scpdr_gemm_isa(void) { return ISA_NAME; }
+int64_t scpdr_panel_width(void) { return NR; }
+int64_t scpdr_tile_rows(void) { return MR; }
 
 /* y[0:mr, 0:nvalid] (+)= x[0:mr, 0:k] · panel (k, NR) */
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, const float *x,
                                                        int64_t ldx, const float *panel, float *y,
                                                        int64_t ldy, int64_t nvalid,
                                                        int accumulate) {
-    v16 c[MR][4];
+    vf c[MR][NV];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < 4; j++) c[i][j] = (v16){0};
+        for (int j = 0; j < NV; j++) c[i][j] = (vf){0};
     for (int64_t kk = 0; kk < k; kk++) {
-        const v16 *w = (const v16 *)(panel + kk * NR);
-        const v16 w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+        const vf *w = (const vf *)(panel + kk * NR);
+        vf wv[NV];
+        for (int j = 0; j < NV; j++) wv[j] = w[j];
         for (int i = 0; i < mr; i++) {
             const float s = x[i * ldx + kk];
-            c[i][0] += w0 * s;
-            c[i][1] += w1 * s;
-            c[i][2] += w2 * s;
-            c[i][3] += w3 * s;
+            for (int j = 0; j < NV; j++) c[i][j] += wv[j] * s;
         }
     }
     for (int i = 0; i < mr; i++) {
         float *yi = y + i * ldy;
         if (nvalid == NR) {
-            for (int j = 0; j < 4; j++) {
-                v16 *o = (v16 *)(yi + 16 * j);
+            for (int j = 0; j < NV; j++) {
+                vf *o = (vf *)(yi + LANES * j);
                 *o = accumulate ? *o + c[i][j] : c[i][j];
             }
         } else {
             float t[NR];
-            for (int j = 0; j < 4; j++) *(v16 *)(t + 16 * j) = c[i][j];
+            for (int j = 0; j < NV; j++) *(vf *)(t + LANES * j) = c[i][j];
             for (int64_t n = 0; n < nvalid; n++) yi[n] = accumulate ? yi[n] + t[n] : t[n];
         }
     }
@@ -66,15 +115,48 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
 
 static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const float *panel,
                       float *y, int64_t ldy, int64_t nvalid, int accumulate) {
+#define TILE(R)                                                                                \
+    case R: tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
     switch (mr) { /* a constant row count per case: the accumulators stay in registers */
-    case 6: tile(6, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
-    case 5: tile(5, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
-    case 4: tile(4, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
-    case 3: tile(3, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
-    case 2: tile(2, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
-    case 1: tile(1, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
+#if MR >= 12
+        TILE(12)
+#endif
+#if MR >= 11
+        TILE(11)
+#endif
+#if MR >= 10
+        TILE(10)
+#endif
+#if MR >= 9
+        TILE(9)
+#endif
+#if MR >= 8
+        TILE(8)
+#endif
+#if MR >= 7
+        TILE(7)
+#endif
+#if MR >= 6
+        TILE(6)
+#endif
+#if MR >= 5
+        TILE(5)
+#endif
+#if MR >= 4
+        TILE(4)
+#endif
+#if MR >= 3
+        TILE(3)
+#endif
+#if MR >= 2
+        TILE(2)
+#endif
+#if MR >= 1
+        TILE(1)
+#endif
     default: break;
     }
+#undef TILE
 }
 
 /* Panels [p0, p1) of y (m, n; row stride ldy) = x (m, k; row stride ldx) · Wᵀ, or += with
@@ -95,8 +177,11 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t
         for (int64_t p = p0; p < p1; p++) {
             const float *panel = w + p * k * NR;
             const int64_t nvalid = n - p * NR < NR ? n - p * NR : NR;
-            for (int64_t i = 0; i < mc; i += MR) {
-                const int64_t mr = mc - i < MR ? mc - i : MR;
+            /* ceil(mc / MR) tiles of balanced heights (8 rows: 4 + 4, not 6 + 2: a short tile
+               has too few independent accumulators to hide the FMA latency) */
+            const int64_t tiles = (mc + MR - 1) / MR;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t i = mc * t / tiles, mr = mc * (t + 1) / tiles - i;
                 tile_rows(mr, k, x + (m0 + i) * ldx, ldx, panel, y + (m0 + i) * ldy + p * NR,
                           ldy, nvalid, accumulate);
             }

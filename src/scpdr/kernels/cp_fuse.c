@@ -1,0 +1,177 @@
+/* Sufficient statistics of CP-Fuse's grid search (Abad et al. 2025) on a lattice grid, for
+   float32 rows on CPU. Built, measured against torch and loaded by scpdr/kernels/build.py;
+   scpdr.naf.cp_fuse_step uses it where it is the faster.
+
+   CP-Fuse picks (b1, b2) on a grid minimizing max_i KL(r_b || p_i) - path_i with
+   log r_b = b1 l1 + b2 l2 - A(b). Every term is a function of three sums over the vocabulary:
+   Z(b) = sum_t e^(b1 l1 + b2 l2), and the same sums weighted by l1 and by l2 (A = log Z,
+   E_r[l_k] = sum / Z). On a lattice b = step·(i, j) (the default grid: step 0.2, i, j in
+   0..10), e^(b1 l1 + b2 l2) = u^i w^j with u = e^(step l1), w = e^(step l2), so all of them
+   come from one pass over the row:
+
+     S[i][q] = sum_t u_t^i W_q(t),  W_q = w^q (q < nj), w^(q-nj) l1 (q < 2 nj), w^(q-2nj) l2,
+
+   i.e. (ni x V)·(V x 3 nj): two exponentials per token instead of one per token and grid point
+   (120 with the default grid, which made the grid search cost ~1 decode step at batch 8).
+   Blocks of BLOCK tokens: the powers into an L1/L2-sized buffer, then a register tile of TI x TQ
+   dot products (by ISA, as in packed_gemm.c), float within a block, double across blocks. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* GCC's Zen tuning (what -march=native implies on this AMD EPYC) made this file ~12% slower
+   than its generic tuning (5.4 vs 4.7 ms for 8 rows of 49152 tokens; docs/performance.md) */
+#pragma GCC target("tune=generic")
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define TI 4
+#define TQ 6
+#define ISA_NAME "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VBYTES 32
+#define TI 3
+#define TQ 4
+#define ISA_NAME "avx2"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define VBYTES 16
+#define TI 4
+#define TQ 6
+#define ISA_NAME "neon"
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-schedule-insns") /* see packed_gemm.c: keeps the tile in registers */
+#endif
+#else
+#define VBYTES 16
+#define TI 2
+#define TQ 3
+#define ISA_NAME "generic"
+#endif
+#define LANES (VBYTES / 4)
+#define BLOCK 512
+#define MAX_POW 32
+
+typedef float vf __attribute__((vector_size(VBYTES), aligned(VBYTES)));
+
+const char *scpdr_cp_fuse_isa(void) { return ISA_NAME; }
+int64_t scpdr_cp_fuse_max_power(void) { return MAX_POW; }
+
+static inline float fmx(float a, float b) { return a > b ? a : b; }
+static inline float fmn(float a, float b) { return a < b ? a : b; }
+
+static inline float vexpf(float x) { /* as in scp_delta_r.c: Cephes-style, ~1-2 ulp */
+    x = fmn(fmx(x, -87.3f), 88.3f);
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
+/* acc[i][q][lane] += sum_t U[i][t] W[q][t] over the tokens t = lane (mod LANES), t < len (a
+   multiple of LANES), for the TI x TQ tile at (i0, q0); rows of U and W are BLOCK floats apart. */
+static void tile(const float *u, const float *w, int64_t len, int64_t i0, int64_t q0,
+                 int64_t nq_pad, double *acc) {
+    vf a[TI][TQ];
+    for (int i = 0; i < TI; i++)
+        for (int q = 0; q < TQ; q++) a[i][q] = (vf){0};
+    for (int64_t t = 0; t < len; t += LANES) {
+        vf uu[TI];
+        for (int i = 0; i < TI; i++) uu[i] = *(const vf *)(u + (i0 + i) * BLOCK + t);
+        for (int q = 0; q < TQ; q++) {
+            const vf ww = *(const vf *)(w + (q0 + q) * BLOCK + t);
+            for (int i = 0; i < TI; i++) a[i][q] += uu[i] * ww;
+        }
+    }
+    for (int i = 0; i < TI; i++) /* lane by lane into doubles (vectorized conversions) */
+        for (int q = 0; q < TQ; q++) {
+            double *d = acc + ((i0 + i) * nq_pad + q0 + q) * LANES;
+            for (int l = 0; l < LANES; l++) d[l] += (double)a[i][q][l];
+        }
+}
+
+/* lp: (2, n, v) float32 log-probs; step > 0; ni, nj in 1..MAX_POW (powers 0..ni-1, 0..nj-1);
+   out: (n, ni, 3 nj) float64. Returns 0, -1 for bad sizes, -2 when out of memory. */
+int cp_fuse_stats_f32(const float *restrict lp, int64_t n, int64_t v, float step, int64_t ni,
+                      int64_t nj, double *restrict out) {
+    if (ni < 1 || nj < 1 || ni > MAX_POW || nj > MAX_POW || v < 1 || !(step > 0.0f)) return -1;
+    const int64_t ni_pad = (ni + TI - 1) / TI * TI, nq = 3 * nj;
+    const int64_t nq_pad = (nq + TQ - 1) / TQ * TQ;
+    float *u = aligned_alloc(VBYTES, sizeof(float) * (size_t)((ni_pad + nq_pad) * BLOCK));
+    double *acc = malloc(sizeof(double) * (size_t)(ni_pad * nq_pad * LANES));
+    if (!u || !acc) {
+        free(u);
+        free(acc);
+        return -2;
+    }
+    float *w = u + ni_pad * BLOCK;
+    memset(u, 0, sizeof(float) * (size_t)((ni_pad + nq_pad) * BLOCK)); /* padded rows stay 0 */
+    for (int64_t row = 0; row < n; row++) {
+        const float *l1 = lp + row * v, *l2 = lp + (n + row) * v;
+        memset(acc, 0, sizeof(double) * (size_t)(ni_pad * nq_pad * LANES));
+        for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
+            const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
+            const int64_t len_pad = (len + LANES - 1) / LANES * LANES;
+            float *u1 = u + BLOCK, *w1 = w + BLOCK;
+#pragma omp simd
+            for (int64_t t = 0; t < len; t++) {
+                const float a = l1[t0 + t], b = l2[t0 + t];
+                u[t] = 1.0f;
+                w[t] = 1.0f;
+                w[nj * BLOCK + t] = a;
+                w[2 * nj * BLOCK + t] = b;
+                if (ni > 1) u1[t] = vexpf(step * a);
+                if (nj > 1) w1[t] = vexpf(step * b);
+            }
+            for (int64_t t = len; t < len_pad; t++) { /* past the row: U = 0 adds nothing */
+                u[t] = 0.0f;
+                if (ni > 1) u1[t] = 0.0f;
+                w[t] = w[nj * BLOCK + t] = w[2 * nj * BLOCK + t] = 0.0f;
+                if (nj > 1) w1[t] = 0.0f;
+            }
+            for (int64_t i = 2; i < ni; i++) {
+                const float *prev = u + (i - 1) * BLOCK;
+                float *cur = u + i * BLOCK;
+#pragma omp simd
+                for (int64_t t = 0; t < len_pad; t++) cur[t] = prev[t] * u1[t];
+            }
+            for (int64_t j = 2; j < nj; j++) {
+                const float *prev = w + (j - 1) * BLOCK;
+                float *cur = w + j * BLOCK;
+#pragma omp simd
+                for (int64_t t = 0; t < len_pad; t++) cur[t] = prev[t] * w1[t];
+            }
+            for (int64_t j = 1; j < nj; j++) {
+                const float *wj = w + j * BLOCK;
+                float *c1 = w + (nj + j) * BLOCK, *c2 = w + (2 * nj + j) * BLOCK;
+                const float *a = w + nj * BLOCK, *b = w + 2 * nj * BLOCK;
+#pragma omp simd
+                for (int64_t t = 0; t < len_pad; t++) {
+                    c1[t] = wj[t] * a[t];
+                    c2[t] = wj[t] * b[t];
+                }
+            }
+            for (int64_t i0 = 0; i0 < ni_pad; i0 += TI)
+                for (int64_t q0 = 0; q0 < nq_pad; q0 += TQ) tile(u, w, len_pad, i0, q0, nq_pad, acc);
+        }
+        double *o = out + row * ni * nq;
+        for (int64_t i = 0; i < ni; i++)
+            for (int64_t q = 0; q < nq; q++) {
+                double sum = 0.0;
+                for (int l = 0; l < LANES; l++) sum += acc[(i * nq_pad + q) * LANES + l];
+                o[i * nq + q] = sum;
+            }
+    }
+    free(u);
+    free(acc);
+    return 0;
+}

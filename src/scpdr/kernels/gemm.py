@@ -1,0 +1,178 @@
+"""The packed GEMM kernel (``packed_gemm.c``) and its weight layout, for the shared-base LoRA
+fast path (:mod:`scpdr.lora_layers`, ``docs/lora_fast_path.md``).
+
+A weight ``W (n, k)`` of ``y = x·Wᵀ`` is stored as panels of ``width`` output columns
+(:func:`pack_panels`), ``width`` being the tile width the library was built with for its ISA
+(:attr:`GemmLibrary.panel_width`: 32 with AVX-512, 24 with AVX2, 16 with NEON). One call of
+:func:`lora_linear` computes a stacked linear — the base matmul of every row plus the LoRA
+deltas of the first L groups — and :func:`lora_linear_reference` computes the same in torch
+ops on the same layout (differentiable: the slow reference of the tests, and the path for
+inputs the kernel does not take).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from scpdr.kernels import build
+
+__all__ = [
+    "NAME",
+    "GemmLibrary",
+    "library",
+    "lora_linear",
+    "lora_linear_reference",
+    "pack_panels",
+    "unpack_panels",
+]
+
+#: The kernel's name (its C source, its environment switch in :data:`build.SWITCHES`).
+NAME = "packed_gemm"
+#: ISAs with a register tile; any other build ("generic") is never used.
+TILED_ISAS = frozenset({"avx512", "avx2", "neon"})
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class GemmLibrary:
+    """A loaded ``packed_gemm`` build: its :class:`build.Library`, the panel width its weights
+    are packed with and the rows of its register tile."""
+
+    lib: build.Library
+    panel_width: int
+    tile_rows: int
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the build has a register tile for its ISA (else torch is used)."""
+        return self.lib.isa in TILED_ISAS
+
+
+def _configure(lib: ctypes.CDLL) -> str:
+    gemm = lib.scpdr_gemm_packed_f32
+    # m, n, k, x, ldx, packed w, y, ldy, accumulate, threads
+    gemm.argtypes = [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int, _I64]
+    gemm.restype = None
+    lora = lib.scpdr_lora_linear_f32
+    # g, rows, n, k, x, packed w, l, r, packed a, packed b, tmp, y, threads
+    lora.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64]
+    lora.restype = None
+    for fn in (lib.scpdr_panel_width, lib.scpdr_tile_rows):
+        fn.argtypes, fn.restype = [], _I64
+    lib.scpdr_gemm_isa.argtypes, lib.scpdr_gemm_isa.restype = [], ctypes.c_char_p
+    return lib.scpdr_gemm_isa().decode()
+
+
+_WRAPPED: dict[int, GemmLibrary] = {}
+
+
+def library(target: str | None = None) -> GemmLibrary | None:
+    """The ``packed_gemm`` build for ``target`` (default :func:`build.default_target`), or None
+    when it cannot be built here (a warning, once). Whether to *use* it is decided by the
+    caller (:func:`build.choose`); a build without a tile for its ISA (``not .tiled``) never is.
+    """
+    lib = build.load(
+        NAME,
+        what="LoRA fast path: the packed CPU matmul kernel",
+        configure=_configure,
+        target=target,
+        openmp=True,
+    )
+    if lib is None:
+        return None
+    found = _WRAPPED.get(id(lib))  # per layer and step: a dict lookup
+    if found is None or found.lib is not lib:
+        found = GemmLibrary(lib, int(lib.cdll.scpdr_panel_width()), int(lib.cdll.scpdr_tile_rows()))
+        _WRAPPED[id(lib)] = found
+    return found
+
+
+def pack_panels(w: Tensor, width: int, *, out: Tensor | None = None) -> Tensor:
+    """``W (n, k)`` of ``y = x·Wᵀ`` laid out for the packed kernel: float32 panels
+    ``(ceil(n / width), k, width)``, panel p holding ``W[p·width : (p + 1)·width]ᵀ`` (columns
+    past n are zero, which adds exact zeros). Written without an intermediate padded copy,
+    into ``out`` when given (zero-filled, at least that many panels; the panels past n are
+    left)."""
+    n, k = w.shape
+    full, rest = divmod(n, width)
+    if out is None:
+        out = torch.zeros(full + (rest > 0), k, width, dtype=torch.float32)
+    w = w.detach()
+    if full:
+        out[:full].copy_(w[: full * width].view(full, width, k).transpose(1, 2))
+    if rest:
+        out[full, :, :rest].copy_(w[full * width :].t())
+    return out
+
+
+def unpack_panels(packed: Tensor, n: int) -> Tensor:
+    """The inverse of :func:`pack_panels`: ``W (n, k)`` (a copy)."""
+    p, k, width = packed.shape
+    return packed.transpose(1, 2).reshape(p * width, k)[:n]
+
+
+def lora_linear(
+    gemm: GemmLibrary,
+    x: Tensor,
+    weight: Tensor,
+    n: int,
+    *,
+    groups: int,
+    lora_a: Tensor | None = None,
+    lora_b: Tensor | None = None,
+    first: int = 0,
+    lora: int = 0,
+    rank: int = 0,
+    threads: int | None = None,
+) -> Tensor:
+    """The stacked linear in one kernel call: ``x`` ``(G·R, k)`` float32 contiguous on CPU
+    holds G groups of R rows; ``y = x·Wᵀ`` ``(G·R, n)`` for all rows with ``weight`` =
+    :func:`pack_panels` of W, then for the first ``lora`` groups ``y_j += (x_j·A_{first+j}ᵀ)·
+    (s·B_{first+j})ᵀ`` with ``lora_a`` ``(L, ceil(r / w), k, w)`` (A) and ``lora_b`` ``(L,
+    ceil(n / w), r, w)`` (s·B) packed. Split over ``threads`` (default torch's) threads."""
+    rows, k = x.shape
+    per = rows // groups
+    y = torch.empty(rows, n, dtype=torch.float32)
+    a_ptr = b_ptr = tmp_ptr = None
+    tmp = None
+    if lora:
+        assert lora_a is not None and lora_b is not None
+        tmp = torch.empty(lora, per, lora_a.shape[1] * lora_a.shape[-1], dtype=torch.float32)
+        a_ptr, b_ptr, tmp_ptr = lora_a[first].data_ptr(), lora_b[first].data_ptr(), tmp.data_ptr()
+    gemm.lib.cdll.scpdr_lora_linear_f32(
+        groups, per, n, k, x.data_ptr(), weight.data_ptr(), lora, rank, a_ptr, b_ptr, tmp_ptr,
+        y.data_ptr(), torch.get_num_threads() if threads is None else threads,
+    )  # fmt: skip
+    return y
+
+
+def lora_linear_reference(
+    x: Tensor,
+    weight: Tensor,
+    n: int,
+    *,
+    groups: int,
+    lora_a: Tensor | None = None,
+    lora_b: Tensor | None = None,
+    first: int = 0,
+    lora: int = 0,
+    rank: int = 0,
+) -> Tensor:
+    """:func:`lora_linear` in torch ops on the same packed layout (any dtype and device,
+    differentiable): ``x·Wᵀ``, then the deltas of the first ``lora`` groups."""
+    k = x.shape[-1]
+    y = x @ unpack_panels(weight, n).t()
+    if not lora:
+        return y
+    assert lora_a is not None and lora_b is not None
+    ys = list(y.view(groups, -1, n).unbind(0))
+    xs = x.view(groups, -1, k)
+    for j in range(lora):
+        a = unpack_panels(lora_a[first + j], rank)  # (r, k) = A
+        b = unpack_panels(lora_b[first + j], n)  # (n, r) = s·B
+        ys[j] = ys[j] + (xs[j] @ a.t()) @ b.t()
+    return torch.cat(ys, 0)

@@ -1,0 +1,180 @@
+"""Teacher-forced scoring for :meth:`scpdr.runtime.ProtectedLM.score`: one forward per model (or
+one stacked forward) over whole sequences, aggregated and certified at every position.
+
+Prompt-aware CP-Fuse (the TDE game, Def. 4.2: a fresh request starts CP-Fuse's fused path at the
+end of its prompt): with ``prompt_lengths``, the path log-probs at position t are the sums of
+log p_i over the targets after row b's first ``prompt_lengths[b]`` tokens only, so scoring
+``prompt + completion`` gives exactly the log-probs ``generate`` returned for the completion.
+Without it, the whole sequence after its first token is the path. The stateless rules do not
+depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scpdr import naf
+from scpdr.runtime.outputs import PromptLogprobs, ScoreComponents, ScoreOutput
+from scpdr.runtime.runner import positions, run_split
+
+__all__ = ["check_prompt_lengths", "prompt_logprobs", "score"]
+
+
+def check_prompt_lengths(
+    prompt_lengths: Sequence[int] | Tensor | None, mask: Tensor
+) -> Tensor | None:
+    """``prompt_lengths`` as a ``LongTensor[B]`` on ``mask``'s device: each in [1, real tokens of
+    its row] (ValueError otherwise); None stays None."""
+    if prompt_lengths is None:
+        return None
+    pl = torch.as_tensor(prompt_lengths).to(mask.device)
+    if pl.is_floating_point() or pl.dtype == torch.bool or pl.shape != (mask.shape[0],):
+        raise ValueError(
+            f"prompt_lengths must hold one int per row ({mask.shape[0]}), got "
+            f"{tuple(pl.shape)} of {pl.dtype}"
+        )
+    pl = pl.long()
+    real = mask.sum(-1)
+    if bool(((pl < 1) | (pl > real)).any()):
+        raise ValueError(
+            "prompt_lengths must be in [1, the row's number of real tokens]: got "
+            f"{pl.tolist()} for rows of {real.tolist()} tokens"
+        )
+    return pl
+
+
+def score(
+    lm: Any,
+    ids: Tensor,
+    mask: Tensor,
+    *,
+    prompt_lengths: Tensor | None = None,
+    full: bool = False,
+    greedy: bool = False,
+    k_x: bool = False,
+    t_x: bool = False,
+    components: bool = False,
+    top_logprobs: int = 0,
+) -> Tensor | ScoreOutput:
+    """:meth:`ProtectedLM.score` on checked inputs (``ids``/``mask`` ``(B, T)`` on the model's
+    device, ``prompt_lengths`` from :func:`check_prompt_lengths`); see there. Rows are processed
+    in chunks so that at most ``lm.score_chunk_elements`` logits are held at once."""
+    b, t = ids.shape
+    v = lm.vocab_size
+    dev = ids.device
+    g = len(lm.runner.models)
+    n_cons = g - (lm.variant == "b")
+    n_top = min(int(top_logprobs), v)
+    out = ScoreOutput(
+        token_logprobs=torch.zeros(b, max(t - 1, 0), device=dev),
+        logprobs=torch.zeros(b, t - 1, v, device=dev) if full else None,
+        greedy=torch.full((b, t - 1), -1, dtype=torch.long, device=dev) if greedy else None,
+        k_x=torch.zeros(b, t - 1, device=dev) if k_x else None,
+        t_x=torch.zeros(b, t - 1, device=dev) if t_x else None,
+        top_logprobs=torch.zeros(b, t - 1, n_top, device=dev) if n_top else None,
+        top_ids=torch.full((b, t - 1, n_top), -1, dtype=torch.long, device=dev) if n_top else None,
+    )
+    comp_l = torch.zeros(n_cons, b, t - 1, v) if components else None
+    comp_b = torch.zeros(b, t - 1, v) if components and lm.variant == "b" else None
+    if t >= 2:
+        rows = max(1, lm.score_chunk_elements // (g * t * v))
+        for s in range(0, b, rows):
+            sl = slice(s, min(b, s + rows))
+            pl = None if prompt_lengths is None else prompt_lengths[sl]
+            _score_chunk(lm, ids[sl], mask[sl], pl, sl, out, comp_l, comp_b)
+    if not (full or greedy or k_x or t_x or components or n_top):
+        return out.token_logprobs
+    if components:
+        assert comp_l is not None
+        out.components = ScoreComponents(comp_l, comp_b if lm.variant == "b" else lm.base_vector)
+    return out
+
+
+def _score_chunk(
+    lm: Any,
+    ids: Tensor,
+    mask: Tensor,
+    prompt_lengths: Tensor | None,
+    sl: slice,
+    out: ScoreOutput,
+    comp_l: Tensor | None,
+    comp_b: Tensor | None,
+) -> None:
+    b, t = ids.shape
+    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)  # (b, T-1): real context and target
+    if not bool(valid.any()):
+        return
+    keep = torch.cat([valid, valid.new_zeros(b, 1)], dim=1)  # (b, T): positions predicting
+    pos = positions(mask)  # (b, T): each real token's index in its row
+    logits, base = run_split(lm.runner, lm.variant == "b", ids, mask, pos, keep=keep)
+    target = ids[:, 1:][valid]  # (N,)  logits: (K', N, V), base: (N, V) | None
+    path = None
+    if lm.method == "cp-fuse":
+        tgt = naf.normalize(logits).gather(-1, target.view(1, -1, 1).expand(2, -1, 1))
+        dense = torch.zeros(2, b, t - 1, device=ids.device)
+        on_path = valid  # targets that are path tokens (generated, not prompt)
+        if prompt_lengths is not None:
+            on_path = valid & (pos[:, 1:] >= prompt_lengths.unsqueeze(1))
+        dense[:, valid] = tgt.squeeze(-1) * on_path[valid]  # (2, b, T-1)
+        path = (dense.cumsum(-1) - dense)[:, valid]  # exclusive prefix sums: (2, N)
+    fbase = base if base is not None else (lm.base_vector if lm.variant == "c" else None)
+    need = out.k_x is not None or out.t_x is not None
+    log_r, kx, tx, _ = lm.aggregator(logits, fbase, path, bounds_too=need)  # (N, V)
+    out.token_logprobs[sl][valid] = log_r.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    if out.logprobs is not None:
+        out.logprobs[sl][valid] = log_r
+    if out.greedy is not None:
+        out.greedy[sl][valid] = log_r.argmax(-1)
+    if out.k_x is not None:
+        out.k_x[sl][valid] = kx
+    if out.t_x is not None:
+        out.t_x[sl][valid] = tx
+    if out.top_logprobs is not None and out.top_ids is not None:
+        tv, ti = torch.topk(log_r, out.top_logprobs.shape[-1], dim=-1)  # (N, n)
+        out.top_logprobs[sl][valid] = tv
+        out.top_ids[sl][valid] = ti
+    if comp_l is not None:
+        vc = valid.cpu()
+        comp_l[:, sl][:, vc] = torch.log_softmax(logits, dim=-1).cpu()
+        if comp_b is not None and base is not None:
+            comp_b[sl][vc] = torch.log_softmax(base, dim=-1).cpu()
+
+
+def prompt_logprobs(
+    lm: Any, encoded: list[list[int]], top_logprobs: int | Sequence[int] = 0
+) -> list[PromptLogprobs]:
+    """:meth:`ProtectedLM.prompt_logprobs` on encoded prompts: one right-padded ``score`` with
+    ``prompt_lengths`` = each prompt's length, so every prefix is read as a fresh request."""
+    n = len(encoded)
+    tops = list(top_logprobs) if isinstance(top_logprobs, (list, tuple)) else [top_logprobs] * n
+    if len(tops) != n or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in tops):
+        raise ValueError(
+            f"top_logprobs must be an int >= 0 or one per prompt, got {top_logprobs!r}"
+        )
+    t = max(len(p) for p in encoded)
+    if t < 2:
+        return [PromptLogprobs([], [], [], []) for _ in encoded]
+    ids = torch.zeros((n, t), dtype=torch.long)  # (B, T), right padding
+    mask = torch.zeros((n, t), dtype=torch.long)
+    for b, p in enumerate(encoded):
+        ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        mask[b, : len(p)] = 1
+    lengths = [len(p) for p in encoded]
+    out = lm.score(ids, mask, prompt_lengths=lengths, k_x=True, t_x=True, top_logprobs=max(tops))
+    assert isinstance(out, ScoreOutput) and out.k_x is not None and out.t_x is not None
+    chosen = out.token_logprobs.cpu().tolist()
+    kx, tx = out.k_x.cpu().tolist(), out.t_x.cpu().tolist()
+    ti: list[Any] = []
+    tv: list[Any] = []
+    if out.top_ids is not None and out.top_logprobs is not None:
+        ti, tv = out.top_ids.cpu().tolist(), out.top_logprobs.cpu().tolist()
+    result = []
+    for b, (p, k) in enumerate(zip(encoded, tops, strict=True)):
+        m = len(p) - 1
+        top = [list(zip(ti[b][i][:k], tv[b][i][:k], strict=True)) if k else [] for i in range(m)]
+        result.append(PromptLogprobs(chosen[b][:m], top, kx[b][:m], tx[b][:m]))
+    return result
