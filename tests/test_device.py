@@ -62,3 +62,17 @@ def test_scorers_on_an_explicit_cpu_equal_the_default(tiny_bundle):
     b = cpu["cp-delta"].score(enc["input_ids"], enc["attention_mask"])
     if not torch.cuda.is_available():
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only behaviour")
+def test_protected_lm_loads_where_it_is_told(tiny_bundle):
+    """ProtectedLM.from_bundle: the default device is cuda when available (here: cpu); CUDA asked
+    for and missing is the one device error, before any model loads."""
+    from scpdr import ProtectedLM
+
+    lm = ProtectedLM.from_bundle(tiny_bundle, method="cp-delta")
+    assert lm.device == torch.device("cpu")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        ProtectedLM.from_bundle(tiny_bundle, method="cp-delta", device="cuda")
+    with pytest.raises(ConfigError, match="must be cpu, cuda or cuda:N"):
+        ProtectedLM.from_bundle(tiny_bundle, method="cp-delta", device="mps")
