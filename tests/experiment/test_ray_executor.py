@@ -99,13 +99,14 @@ def test_a_killed_ray_run_resumes_without_rerunning_finished_stages(cluster, loc
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    before = _markers(out)
-    assert not (out / "results.json").exists()
-    # the cluster kills the dead driver's tasks: wait until their CPUs are free again
+    # the cluster kills the dead driver's tasks: wait until their CPUs are free again (a task
+    # may still finish its stage until then)
     deadline = time.monotonic() + 60
     while ray.available_resources().get("CPU", 0) < 2:
         assert time.monotonic() < deadline, "the killed run's tasks did not stop"
         time.sleep(0.2)
+    before = _markers(out)
+    assert not (out / "results.json").exists()
 
     result = run_experiment(
         TINY, out, progress=False, executor=make_executor("ray", address=cluster)
