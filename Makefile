@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export SCPDR_HOME ?= $(CURDIR)/.cache/scpdr
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast test-gpu lint bench clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The CUDA tests alone (tests/gpu: they skip without a GPU, so `make test` runs them too).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu -rs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
