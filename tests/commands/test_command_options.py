@@ -44,6 +44,7 @@ NOT_TRAINING = {
     "allow_failed_audit",
     "method",
     "m",
+    "device",  # where training runs (scpdr.device), not a TrainConfig field
 }
 TRAIN_FIELDS = [n for n in TrainConfig.model_fields if n != "seed"]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 
+from scpdr.device import DEVICE_HELP
 from scpdr.methods import MAIN_TABLE_METHODS, SPECS
 
 _DEFAULT_METHODS = ",".join(MAIN_TABLE_METHODS)
@@ -75,6 +76,7 @@ def eval_(
     ),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Sequences per scoring batch."),
     seed: int = typer.Option(0, "--seed", help="Seed of the canary reference sample."),
+    device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
 ) -> None:
     """Run attacks against the methods of a bundle and write DIR/results.json."""
     import logging
@@ -93,6 +95,7 @@ def eval_(
     from scpdr.attacks.lira import plot_roc
     from scpdr.attacks.results import save_results
     from scpdr.commands import check_m, check_out_dir, split_list
+    from scpdr.device import resolve_device
     from scpdr.errors import ConfigError
     from scpdr.io import atomic_write_json
     from scpdr.methods import resolve
@@ -100,6 +103,7 @@ def eval_(
 
     log = logging.getLogger(__name__)
     check_out_dir(out)
+    device = resolve_device(device)  # a bad or missing device fails before any work
     attack_list = split_list(attacks, "--attacks", "canary, pii, tte, lira, utility")
     check_attacks(attack_list)  # before any model is loaded
     method_list = split_list(methods, "--methods", _DEFAULT_METHODS.replace(",", ", "))
@@ -161,7 +165,7 @@ def eval_(
         )
     for a, why in missing.items():
         log.warning("%s skipped: %s (%s)", a, why, data)
-    scorers = load_scorers(bundle, method_list, m=m, reference=reference)
+    scorers = load_scorers(bundle, method_list, m=m, reference=reference, device=device)
     report = run_eval(scorers, eval_data, attack_list, options=options)
     if not report.rows:  # e.g. LiRA alone without a reference model
         raise ConfigError(

@@ -19,6 +19,7 @@ from scpdr.commands.options import (
     canary_config,
     with_options,
 )
+from scpdr.device import DEVICE_HELP
 
 _DEFAULT_K = 2
 
@@ -64,6 +65,7 @@ def train(
     ),
     method: str = typer.Option("scp-delta-r", "--method", help="Default method of the bundle."),
     m: int = typer.Option(10, "--m", min=1, help="Default smoothing parameter m of the bundle."),
+    device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
     train_options: dict[str, Any],
     field_options: dict[str, Any],
     grouping_options: dict[str, Any],
@@ -74,12 +76,14 @@ def train(
     from scpdr.data import load_partitions, prepare_partitions
     from scpdr.errors import ConfigError
     from scpdr.training import TrainConfig, train_bundle
+    from scpdr.training.placement import is_main_process, main_process_first, training_device
 
     saved = {}
     if config is not None:
         saved = TrainConfig.from_file(config).model_dump(exclude_unset=True)
     cfg = build(TRAIN_OPTIONS, {**saved, **train_options}, seed=seed)
     check_method(method)  # before training, not after it
+    device = training_device(device)
     canary_cfg = canary_config(canaries, canary_options)
 
     data_path = Path(data)
@@ -125,9 +129,10 @@ def train(
         from scpdr.tiny import tiny_model, tiny_tokenizer
 
         tiny_dir = out / "base"
-        if not (tiny_dir / "config.json").is_file():
-            tiny_model(seed).save_pretrained(str(tiny_dir))
-            tiny_tokenizer().save_pretrained(str(tiny_dir))
+        with main_process_first():  # under accelerate launch: written once, read by all
+            if not (tiny_dir / "config.json").is_file():
+                tiny_model(seed).save_pretrained(str(tiny_dir))
+                tiny_tokenizer().save_pretrained(str(tiny_dir))
         base_ref = str(tiny_dir)
     path = train_bundle(
         source,
@@ -137,5 +142,7 @@ def train(
         allow_failed_audit=allow_failed_audit,
         method=method,
         m=m,
+        device=device,
     )
-    typer.echo(f"wrote bundle {path} with {pset.k} constituents")
+    if is_main_process():
+        typer.echo(f"wrote bundle {path} with {pset.k} constituents")

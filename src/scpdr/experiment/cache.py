@@ -70,6 +70,7 @@ _EVAL_CODE = (
     "scpdr.bounds",
     "scpdr.models",
     "scpdr.data",
+    "scpdr.device",
 )
 STAGE_CODE: dict[str, tuple[str, ...]] = {
     "partitions": ("scpdr.data", "scpdr.resources"),
@@ -81,6 +82,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "scpdr.methods",
         "scpdr.naf",
         "scpdr.kernels",
+        "scpdr.device",
     ),
     "bundle": ("scpdr.models", "scpdr.methods", "scpdr.naf", "scpdr.kernels"),
     "attack": _EVAL_CODE,

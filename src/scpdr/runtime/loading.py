@@ -72,6 +72,7 @@ def load_bundle_parts(
     """Read a bundle and load what ``method`` needs (see
     :meth:`scpdr.runtime.ProtectedLM.from_bundle` for the arguments and errors)."""
     from scpdr import models as M
+    from scpdr.device import model_dtype, resolve_device
     from scpdr.lora import fast_path_from_bundle
 
     if base not in ("model", "constant"):
@@ -88,7 +89,9 @@ def load_bundle_parts(
             "changed after bundling: rebuild the bundle with `scpdr bundle`"
         )
     refs = manifest.constituents[:1] if method == "none" else manifest.constituents
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    # cuda when available unless told; bf16 models there (the aggregation stays float32)
+    dev = torch.device(resolve_device(None if device is None else str(device)))
+    dtype = dtype if dtype is not None else model_dtype(dev)
     # None: not LoRA adapters over one base (the reason is logged and kept)
     stacked, reason = fast_path_from_bundle(
         path, manifest, method=method, base=base, dtype=dtype, device=dev

@@ -219,7 +219,10 @@ class ProtectedLM:
         runs the base model ('b'); ``base="constant"`` uses the stored constant vector ('c').
         Only the models the method needs are loaded ("none": constituent 0; no base for
         non-SCP methods); LoRA bundles run on the shared-base fast path (:attr:`fast_path`).
-        Raises BundleError for missing/inconsistent files, ValueError for bad arguments.
+        ``device``: cpu, cuda or cuda:N (default: cuda when available, :mod:`scpdr.device`); on
+        CUDA the models load in bf16 unless ``dtype`` says otherwise, and the aggregation stays
+        float32. Raises BundleError for missing/inconsistent files, ValueError for bad arguments
+        (a :class:`~scpdr.errors.ConfigError` for an unavailable device).
         """
         parts = load_bundle_parts(path, method=method, m=m, base=base, dtype=dtype, device=device)
         return cls(parts.constituents, parts.tokenizer, **parts.kwargs())

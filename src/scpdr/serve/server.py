@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from scpdr import methods
+from scpdr.device import resolve_device
 from scpdr.errors import ConfigError
 from scpdr.serve.config import ServeConfig
 
@@ -70,23 +71,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
             f"cannot listen on {host}:{port} ({exc.strerror or exc}); {fix}"
         ) from None
     return sock
-
-
-def resolve_device(device: str | None) -> str:
-    """``device``, or "cuda" when CUDA is available and "cpu" otherwise.
-
-    Raises:
-        ConfigError: CUDA was asked for and is not available.
-    """
-    import torch
-
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(
-            f"--device {device}: no CUDA device is available to torch here; use --device cpu"
-        )
-    return device
 
 
 def check_bundle(bundle: str | os.PathLike[str], config: ServeConfig) -> Any:

@@ -27,6 +27,13 @@ from scpdr.data.records import Record, records_hash
 from scpdr.errors import ConfigError
 from scpdr.io import atomic_write_json, read_json
 from scpdr.training.config import TrainConfig, make_config
+from scpdr.training.placement import (
+    full_state_dict,
+    placement_info,
+    resolve_optim,
+    select_device,
+    training_device,
+)
 from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,6 +84,7 @@ def finetune(
     out: str | os.PathLike[str],
     overwrite: bool = False,
     callbacks: Sequence[TrainerCallback] = (),
+    device: str | None = None,
 ) -> Path:
     """Fine-tune ``base`` on ``records`` and write the result to ``out`` (atomically).
 
@@ -89,6 +97,10 @@ def finetune(
             and ``train_info.json`` (config, seeds, losses, time, data hash).
         overwrite: replace an existing ``out`` trained with different settings.
         callbacks: extra ``transformers.TrainerCallback`` objects.
+        device: ``cpu``, ``cuda`` or ``cuda:N`` (default: cuda when available); under
+            ``accelerate launch`` each process uses its rank's device
+            (:mod:`scpdr.training.placement`). An 8-bit optimizer falls back to ``adamw_torch``
+            where it cannot run (recorded in ``train_info.json``).
 
     Resuming: the run trains in ``<out>.tmp-<fingerprint>``; calling ``finetune`` again with the
     same records, base and config after an interruption resumes from the last checkpoint there
@@ -100,13 +112,16 @@ def finetune(
     from transformers import Trainer, TrainingArguments
 
     cfg = make_config(config)  # resolved: the paper defaults filled in
+    dev = training_device(device)
+    optim = resolve_optim(cfg.optim, dev)
     records = list(records)
     if not records:
         raise ConfigError("finetune needs at least one record")
     out = Path(out)
     base_key = os.fspath(base) if not isinstance(base, tuple) else "in-memory"
     data_hash = records_hash(records)
-    fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}".encode()).hexdigest()
+    swapped = f"|optim={optim}" if optim != cfg.optim else ""  # another optimizer's checkpoints
+    fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}{swapped}".encode()).hexdigest()
     tmp = _tmp_dir(out, fp)
 
     info_path = out / TRAIN_INFO
@@ -151,7 +166,7 @@ def finetune(
     resume = _latest_checkpoint(tmp) if tmp.is_dir() else None
     if resume is not None:
         logger.info("resuming %s from %s", out, resume)
-    use_cpu = not torch.cuda.is_available()
+    select_device(dev)
     args = TrainingArguments(
         output_dir=str(tmp),
         num_train_epochs=float(cfg.epochs),
@@ -163,7 +178,7 @@ def finetune(
         warmup_steps=cfg.warmup_steps,
         max_grad_norm=cfg.max_grad_norm,
         weight_decay=cfg.weight_decay,
-        optim=cfg.optim,
+        optim=optim,
         neftune_noise_alpha=cfg.neftune_alpha or None,
         seed=cfg.seed,
         data_seed=cfg.seed,
@@ -176,7 +191,8 @@ def finetune(
         disable_tqdm=not cfg.progress,
         bf16=cfg.bf16,
         activation_checkpointing=cfg.gradient_checkpointing,
-        use_cpu=use_cpu,
+        use_cpu=dev == "cpu",
+        ddp_find_unused_parameters=False,  # every trainable weight is used in the forward
         dataloader_num_workers=0,
         remove_unused_columns=False,
     )
@@ -200,6 +216,9 @@ def finetune(
     elapsed = time.time() - t0
 
     stage = tmp / "final"
+    gathered = full_state_dict(trainer)  # FSDP: every process hands in its shards
+    if gathered is not None and merge_lora:
+        raise ConfigError("merge_lora under FSDP: save the adapter (merge_lora: false)")
     if trainer.is_world_process_zero():
         shutil.rmtree(stage, ignore_errors=True)
         final_model = trainer.model
@@ -210,9 +229,11 @@ def finetune(
                 final_model = final_model.merge_and_unload()
         if cfg.lora and not merge_lora:
             # the frozen embeddings are the base's: keep them out of the adapter
-            final_model.save_pretrained(str(stage), save_embedding_layers=False)
+            final_model.save_pretrained(
+                str(stage), save_embedding_layers=False, state_dict=gathered
+            )
         else:
-            final_model.save_pretrained(str(stage))
+            final_model.save_pretrained(str(stage), state_dict=gathered)
         tok.save_pretrained(str(stage))
         info = {
             "fingerprint": fp,
@@ -237,6 +258,7 @@ def finetune(
                 "python": platform.python_version(),
             },
             "adapter": bool(cfg.lora and not merge_lora),
+            "placement": placement_info(trainer, dev, optim),
         }
         atomic_write_json(stage / TRAIN_INFO, info)
         if out.exists():
