@@ -191,14 +191,14 @@ class BundleScorers(Mapping[str, Scorer]):
         return [self._model(self._ref(r)) for r in refs]
 
     def _single(self, ref: str) -> Scorer:
-        from scpdr.protected import ProtectedLM
+        from scpdr.runtime import ProtectedLM
 
         return ProtectedLM.from_model(self._model(ref), self.tokenizer)
 
     def _build(self, models: list[Any], name: str) -> Scorer:
         """``name``'s rule over ``models`` with the base its spec names (Alg. 1: SCP smooths
         towards the base model 'b' or the constant vector 'c', paper §5.1)."""
-        from scpdr.protected import ProtectedLM
+        from scpdr.runtime import ProtectedLM
 
         spec = M.SPECS[name]
         if spec.rule == "none":

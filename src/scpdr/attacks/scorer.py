@@ -304,7 +304,7 @@ def _split_components(comp: Any) -> tuple[Tensor, Tensor | None]:
 @dataclass
 class ScoreResult:
     """What :meth:`LogitsScorer.score` returns when a flag is set (the field names of
-    ``scpdr.protected.ScoreOutput``)."""
+    ``scpdr.runtime.ScoreOutput``)."""
 
     token_logprobs: Tensor
     logprobs: Tensor | None = None

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from scpdr.data.canaries import CanaryConfig
 from scpdr.data.grouping import GroupingConfig
 from scpdr.data.records import FieldMapping
-from scpdr.errors import ConfigError
+from scpdr.errors import ConfigError, format_validation_error
 from scpdr.training.config import TrainConfig
 
 __all__ = [
@@ -202,8 +202,6 @@ def build(group: OptionGroup, values: Mapping[str, Any], **fixed: Any) -> Any:
 
 def describe(group: OptionGroup, exc: ValidationError) -> str:
     """``exc`` as ``--flag (field): message (got value)``, one clause per error."""
-    from scpdr.commands import format_validation_error
-
     names = {n: f"{group.flags_of(n)[0]} ({n})" for n in group.fields()}
     return format_validation_error(exc, names)
 

@@ -3,7 +3,7 @@ and the runner that runs them.
 
 Only the models the method needs are loaded ("none": constituent 0; the base model only for the
 SCP rules' 'b' variant; the constant vector for 'c', paper §5.1). When every model is a LoRA
-adapter over one base (or that base itself), the shared-base runner of ``scpdr.lora_fast`` runs
+adapter over one base (or that base itself), the shared-base runner of ``scpdr.lora`` runs
 them in one stacked forward; otherwise (or with ``SCPDR_LORA_FAST=0``) the general
 :class:`~scpdr.runtime.runner.PerModelRunner` loads each model on its own. The choice and its
 reason are returned as a :class:`~scpdr.runtime.outputs.FastPath`.
@@ -73,7 +73,7 @@ def load_bundle_parts(
     :meth:`scpdr.runtime.ProtectedLM.from_bundle` for the arguments and errors)."""
     from scpdr import models as M
     from scpdr.device import model_dtype, resolve_device
-    from scpdr.lora_fast import fast_path_from_bundle
+    from scpdr.lora import fast_path_from_bundle
 
     if base not in ("model", "constant"):
         raise ValueError(f"base must be 'model' or 'constant', got {base!r}")

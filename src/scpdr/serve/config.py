@@ -85,9 +85,6 @@ class ServeConfig:
         min=0,
         option="--batch-wait",
     )
-    score_chunk_tokens: int = _f(
-        1024, "Most padded prompt positions scored at once for echoed log-probs.", min=1
-    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

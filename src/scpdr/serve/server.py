@@ -108,9 +108,9 @@ def check_bundle(bundle: str | os.PathLike[str], config: ServeConfig) -> Any:
 
 
 def load_protected(bundle: str | os.PathLike[str], config: ServeConfig, *, device: str) -> Any:
-    """The :class:`~scpdr.protected.ProtectedLM` of ``bundle`` with the config's method, m and
+    """The :class:`~scpdr.runtime.ProtectedLM` of ``bundle`` with the config's method, m and
     base, on ``device``. Raises what ``ProtectedLM.from_bundle`` raises."""
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
 
     return ProtectedLM.from_bundle(
         bundle, method=config.method, m=config.m, base=config.base, device=device
