@@ -16,7 +16,8 @@ propositions, lemmas, definitions and remarks; LaTeX labels in parentheses):
 Modules: :mod:`~scpdr.bounds.divergences` (TV, ``D_m``, ``D_r``, max / relative max / KL
 divergences), :mod:`~scpdr.bounds.certificates` (:func:`certify`, the one per-position
 certificate formula the runtime and :func:`k_x`/:func:`t_x` share; :func:`v_x`),
-:mod:`~scpdr.bounds.sparps` (smoothing cost and the SpaRPS estimators).
+:mod:`~scpdr.bounds.accountant` (the per-token charge ``cost_t <= t_x`` whose sum certifies a
+whole response, by the chain rule and Thm. 4.4; the budget rule), :mod:`~scpdr.bounds.sparps` (smoothing cost and the SpaRPS estimators).
 
 Conventions: the divergence functions take log-probabilities as given (``log_softmax`` is
 applied, which changes normalized inputs only by rounding; no floor). The method-level bounds
@@ -27,6 +28,15 @@ distribution ``aggregate`` returns. All results are float32; ``*batch`` shapes a
 
 from __future__ import annotations
 
+from scpdr.bounds.accountant import (
+    Charge,
+    charge,
+    realized_log_lr,
+    response_certificate,
+    sequence_charges,
+    token_cost,
+    within_budget,
+)
 from scpdr.bounds.certificates import (
     KX_DIVERGENCE,
     V_X_METHODS,
@@ -59,7 +69,9 @@ __all__ = [
     "KX_DIVERGENCE",
     "V_X_METHODS",
     "Certificate",
+    "Charge",
     "certify",
+    "charge",
     "d_m",
     "d_r",
     "expected_sparps",
@@ -69,10 +81,15 @@ __all__ = [
     "max_divergence",
     "naf_components",
     "rare_token_ratio_bound",
+    "realized_log_lr",
     "relative_max_divergence",
+    "response_certificate",
+    "sequence_charges",
     "smoothing_kl_bound",
     "sparps_dr_bound",
     "t_x",
+    "token_cost",
     "tv",
     "v_x",
+    "within_budget",
 ]

@@ -7,6 +7,10 @@ Alg. 1) certified on the distributions their guarantee refers to (the floored co
 the smoothed ``p~_i`` of SCP-Δr and SCP-Δ, §4.1), and the stateful CP-Fuse step, whose objective
 adds each constituent's log-prob of the path generated so far and which is certified by the
 exact max divergence to each constituent (no NAF theorem of its own).
+
+:meth:`Aggregator.cost` is the accountant's charge of a position (:func:`scpdr.bounds.token_cost`)
+from the same ``log r``, components and ``t_x``: the decoding loop and teacher-forced scoring
+(echo) call it with the tokens each row reveals.
 """
 
 from __future__ import annotations
@@ -62,3 +66,10 @@ class Aggregator:
             log_r, comps = bounds.naf_components(rule, logits, base=base, m=self.m)
         cert = bounds.certify(rule, log_r, comps)
         return log_r, cert.k_x, cert.t_x, comps
+
+    @staticmethod
+    def cost(log_r: Tensor, comps: Tensor | None, t_x: Tensor, revealed: Tensor) -> Tensor:
+        """The charge of each of N positions (:func:`scpdr.bounds.token_cost`): ``(N,)`` from
+        ``log_r`` ``(N, V)``, the components ``__call__`` returned (None for "none": +inf), its
+        ``t_x`` ``(N,)`` and the tokens each position reveals ``(N, R)`` (-1 = none)."""
+        return bounds.token_cost(log_r, comps, revealed, t_x)

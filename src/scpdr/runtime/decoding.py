@@ -7,12 +7,19 @@ one token per row is picked (:func:`scpdr.runtime.sampling.sample`), and CP-Fuse
 log-probs grow by each constituent's log-prob of the token. Finished rows leave the batch (the
 caches are compacted, and columns that became padding for every row are dropped). All
 aggregation is float32 under ``torch.inference_mode``.
+
+The accountant: each picked token is charged (:meth:`Aggregator.cost
+<scpdr.runtime.aggregation.Aggregator.cost>`, for the token and the alternatives the row reveals)
+and a row with a ``budget`` keeps a float64 running sum of its charges, echoed prompt positions
+first; a token (or echoed position) whose charge would take the sum past the budget is not
+served and the row ends with ``finish_reason="budget"`` — the rule of
+:func:`scpdr.bounds.within_budget`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -23,7 +30,31 @@ from scpdr.runtime.runner import ModelRunner, positions, run_split
 from scpdr.runtime.sampling import SamplingParams, make_generator, sample
 from scpdr.runtime.stop_strings import RowText
 
-__all__ = ["Decoder", "DecodingModel", "stream"]
+__all__ = ["Decoder", "DecodingModel", "Step", "served_prefix", "stream"]
+
+
+class Step(NamedTuple):
+    """One decoding step of a batch, as python lists (one entry per row): the picked tokens,
+    their log r, certificates and charges, and the most likely tokens of r."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    k_x: list[float]
+    t_x: list[float]
+    cost: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def served_prefix(costs: Sequence[float], budget: float | None, spent: float = 0.0) -> int:
+    """How many of ``costs`` a budget serves after ``spent``: the positions before the first one
+    whose charge would take the running sum past ``budget`` (all of them when None)."""
+    if budget is None:
+        return len(costs)
+    for n, c in enumerate(costs):
+        if spent + c > budget:
+            return n
+        spent += c
+    return len(costs)
 
 
 class DecodingModel(Protocol):
@@ -112,12 +143,10 @@ class Decoder:
                 layer.values = layer.values[:, :, first:]
 
     @torch.inference_mode()
-    def sample(
-        self, out: tuple[Tensor, Tensor | None], params: Sequence[SamplingParams]
-    ) -> tuple[list[int], list[float], list[float], list[float], list[list[tuple[int, float]]]]:
-        """Aggregate the step's logits and pick one token per row; returns python lists
-        ``(tokens, logprobs, k_x, t_x, top_logprobs)`` (one host transfer; ``top_logprobs``
-        holds the most likely tokens of r, as many as the largest ``params.logprobs``)."""
+    def sample(self, out: tuple[Tensor, Tensor | None], params: Sequence[SamplingParams]) -> Step:
+        """Aggregate the step's logits, pick one token per row and charge it (for the token and
+        the row's ``params.logprobs`` alternatives); one host transfer. ``top_logprobs`` holds
+        the most likely tokens of r, as many as the largest ``params.logprobs``."""
         lm = self.lm
         logits, base = out  # (K', B, V), (B, V) | None
         base = lm.base_vector if lm.variant == "c" else base
@@ -130,9 +159,8 @@ class Decoder:
             self.path = self.path + comps.gather(
                 -1, tokens.view(1, -1, 1).expand(comps.shape[0], -1, 1)
             ).squeeze(-1)
-        host = torch.stack([tokens.float(), lp, kx, tx]).cpu()
-        toks = tokens.cpu().tolist()
         n = min(max(p.logprobs or 0 for p in params), log_r.shape[-1])
+        shown = tokens.unsqueeze(-1)  # (B, 1): the token, then the row's alternatives
         tops: list[list[tuple[int, float]]] = [[] for _ in params]
         if n:
             tv, ti = torch.topk(log_r, n, dim=-1)
@@ -140,7 +168,12 @@ class Decoder:
                 list(zip(a, b, strict=True))
                 for a, b in zip(ti.cpu().tolist(), tv.cpu().tolist(), strict=True)
             ]
-        return toks, host[1].tolist(), host[2].tolist(), host[3].tolist(), tops
+            ks = torch.tensor([p.logprobs or 0 for p in params], device=ti.device).unsqueeze(-1)
+            alts = ti.masked_fill(torch.arange(n, device=ti.device) >= ks, -1)
+            shown = torch.cat([shown, alts], dim=-1)
+        cost = lm.aggregator.cost(log_r, comps, tx, shown)
+        host = torch.stack([lp, kx, tx, cost]).cpu().tolist()
+        return Step(tokens.cpu().tolist(), *host, tops)
 
 
 def stream(
@@ -150,17 +183,26 @@ def stream(
     :class:`StepEvent` per generated token as soon as it exists (rows with ``echo`` first get
     their prompt's log-probs; a row's last event carries its ``finish_reason``)."""
     n = len(encoded)
+    spent = [0.0] * n  # each row's running sum of charges (float64)
+    spent_out = [False] * n  # the echo alone reached the budget
     echo = [i for i in range(n) if params[i].echo]
     if echo:
         scored = lm.prompt_logprobs(
             [encoded[i] for i in echo], top_logprobs=[params[i].logprobs or 0 for i in echo]
         )
         for i, pl in zip(echo, scored, strict=True):
+            served = served_prefix(pl.cost, params[i].budget)
+            if served < len(pl.cost):
+                pl, spent_out[i] = pl.truncated(served), True
+            for c in pl.cost:
+                spent[i] += c
             yield StepEvent(i, None, "", None, None, None, None, None, prompt=pl)
     rows = [RowText(lm.tokenizer, params[i].stop) for i in range(n)]
-    active = [i for i in range(n) if params[i].max_new_tokens > 0]
+    active = [i for i in range(n) if params[i].max_new_tokens > 0 and not spent_out[i]]
     for i in range(n):
-        if params[i].max_new_tokens == 0:
+        if spent_out[i]:
+            yield StepEvent(i, None, "", None, None, None, None, "budget")
+        elif params[i].max_new_tokens == 0:
             yield StepEvent(i, None, "", None, None, None, None, "length")
     if not active:
         return
@@ -169,10 +211,14 @@ def stream(
     out = dec.prefill()
     eos = lm.eos_ids
     while True:
-        toks, lps, kxs, txs, tops = dec.sample(out, [params[i] for i in active])
+        toks, lps, kxs, txs, costs, tops = dec.sample(out, [params[i] for i in active])
         keep = []
         for j, i in enumerate(active):
             tok, p, row = toks[j], params[i], rows[i]
+            if served_prefix(costs[j : j + 1], p.budget, spent[i]) == 0:  # withheld
+                yield StepEvent(i, None, row.flush(), None, None, None, None, "budget")
+                continue
+            spent[i] += costs[j]
             counts[i] += 1
             reason = None
             delta = row.add(tok)
@@ -185,7 +231,7 @@ def stream(
                 reason = "length"
                 delta += row.flush()
             top = None if p.logprobs is None else tops[j][: p.logprobs]
-            yield StepEvent(i, tok, delta, lps[j], kxs[j], txs[j], top, reason)
+            yield StepEvent(i, tok, delta, lps[j], kxs[j], txs[j], top, reason, cost=costs[j])
             if reason is None:
                 keep.append(j)
         if not keep:

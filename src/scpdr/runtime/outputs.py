@@ -2,12 +2,16 @@
 scores, and whether the shared-base fast path runs.
 
 Every certificate travels with its token: ``k_x`` is the NAF bound of the method at that position
-(Def. 2.1, Thms. 2.3/2.7; for SCP-Δr on the smoothed distributions, §4.1) and ``t_x`` the LiRA
-bound of Thm. 4.4 (max over all constituents), both from :func:`scpdr.bounds.certify`.
+(Def. 2.1, Thms. 2.3/2.7; for SCP-Δr on the smoothed distributions, §4.1), ``t_x`` the LiRA
+bound of Thm. 4.4 (max over all constituents), both from :func:`scpdr.bounds.certify`, and
+``cost`` the accountant's charge (:func:`scpdr.bounds.token_cost`): at least the realized
+log-likelihood ratio of every token the client sees at that position, at most ``t_x``. A
+response's certificate is the sum of its charges (``docs/accountant.md``, Proposition 1).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -30,25 +34,42 @@ class PromptLogprobs:
     Lists have ``len(prompt) - 1`` entries: entry i is about prompt token i + 1, read from the
     distribution a fresh request of ``prompt[:i+1]`` gets (CP-Fuse: path length 0, the TDE game
     of Def. 4.2). ``top_logprobs[i]`` holds ``(token_id, logprob)`` of the most likely tokens,
-    best first (empty lists when no alternatives were asked for).
+    best first (empty lists when no alternatives were asked for). ``cost[i]`` is the position's
+    charge (the prompt token and its alternatives are revealed). Under a ``budget`` the lists
+    stop before the first position whose charge would take the response past it
+    (:attr:`served` < ``len(prompt) - 1``: the rest is withheld).
     """
 
     token_logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     k_x: list[float]
     t_x: list[float]
+    cost: list[float] = field(default_factory=list)
+
+    @property
+    def served(self) -> int:
+        """Prompt positions whose log-probs are served."""
+        return len(self.token_logprobs)
+
+    def truncated(self, n: int) -> PromptLogprobs:
+        """The first ``n`` positions only (what a budget serves)."""
+        return PromptLogprobs(
+            self.token_logprobs[:n], self.top_logprobs[:n], self.k_x[:n], self.t_x[:n], self.cost[:n]
+        )
 
 
 @dataclass
 class Generation:
-    """One prompt's generation. ``token_ids``, ``logprobs``, ``k_x``, ``t_x`` (and
+    """One prompt's generation. ``token_ids``, ``logprobs``, ``k_x``, ``t_x``, ``cost`` (and
     ``top_logprobs`` when requested) have one entry per generated token.
 
     ``logprobs`` are log r(y) of the aggregated distribution (before temperature/top-p/top-k);
     ``text`` is the decoded generation without special tokens, cut before a stop string when one
     matched (the token that completed it stays in ``token_ids``); ``finish_reason`` is "stop"
-    (eos or a stop string) or "length". ``prompt_logprobs`` is set when the sampling parameters
-    ask for ``echo``.
+    (eos or a stop string), "length", or "budget" (the next token's charge would have taken the
+    response past the ``budget``: it was not emitted). ``prompt_logprobs`` is set when the
+    sampling parameters ask for ``echo``. ``cost[t]`` is token t's charge
+    (:func:`scpdr.bounds.token_cost`); :attr:`sum_cost` is the response's certificate.
     """
 
     text: str
@@ -60,6 +81,21 @@ class Generation:
     finish_reason: str = "length"
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
+    cost: list[float] = field(default_factory=list)
+
+    @property
+    def sum_cost(self) -> float:
+        """The response's certificate: ``Σ cost`` over its tokens and its served (echoed) prompt
+        positions; the log-likelihood ratio of everything served against every constituent is at
+        most this (``docs/accountant.md``, Proposition 1). ``+inf`` without a certificate."""
+        echoed = self.prompt_logprobs.cost if self.prompt_logprobs is not None else []
+        return math.fsum([*echoed, *self.cost])
+
+    @property
+    def sum_t_x(self) -> float:
+        """The worst case of :attr:`sum_cost`: ``Σ t_x`` over the same positions."""
+        echoed = self.prompt_logprobs.t_x if self.prompt_logprobs is not None else []
+        return math.fsum([*echoed, *self.t_x])
 
 
 @dataclass
@@ -70,7 +106,9 @@ class StepEvent:
     ``finish_reason`` set. ``text_delta`` is the newly safe-to-show text (text that could still
     turn into a stop string or an incomplete UTF-8 character is held back). With
     ``max_new_tokens=0`` a row's only event has ``token_id=None``. A row with ``echo`` first gets
-    one event with ``prompt`` set (and ``token_id=None``, ``finish_reason=None``).
+    one event with ``prompt`` set (and ``token_id=None``, ``finish_reason=None``). A row stopped
+    by its budget ends with an event with ``token_id=None`` and ``finish_reason="budget"`` (the
+    withheld token is never shown). ``cost`` is the token's charge.
     """
 
     index: int
@@ -82,6 +120,7 @@ class StepEvent:
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
     prompt: PromptLogprobs | None = None
+    cost: float | None = None
 
 
 class ScoreComponents(NamedTuple):
@@ -103,7 +142,9 @@ class ScoreOutput:
     ``token_logprobs`` ``(B, T-1)``; ``logprobs`` ``(B, T-1, V)`` when ``full``; ``greedy``
     ``(B, T-1)`` argmax of r (-1 where invalid); ``k_x``/``t_x`` ``(B, T-1)``; ``components``
     (see :class:`ScoreComponents`); ``top_logprobs``/``top_ids`` ``(B, T-1, n)`` the n most likely
-    tokens of r, best first. Positions whose context or target is padding hold 0.0 (ids: -1).
+    tokens of r, best first; ``cost`` ``(B, T-1)`` each position's charge when its target and the
+    n alternatives are revealed (:func:`scpdr.bounds.token_cost`). Positions whose context or
+    target is padding hold 0.0 (ids: -1).
     """
 
     token_logprobs: Tensor
@@ -114,6 +155,7 @@ class ScoreOutput:
     t_x: Tensor | None = None
     top_logprobs: Tensor | None = None
     top_ids: Tensor | None = None
+    cost: Tensor | None = None
 
 
 @dataclass(frozen=True)

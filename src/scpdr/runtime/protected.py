@@ -318,6 +318,7 @@ class ProtectedLM:
         t_x: bool = False,
         components: bool = False,
         top_logprobs: int = 0,
+        cost: bool = False,
     ) -> Tensor | ScoreOutput:
         """Teacher-forced scoring: one forward per model over whole sequences, aggregated at every
         position (no token loop).
@@ -333,6 +334,10 @@ class ProtectedLM:
             full / greedy / k_x / t_x / components: also return the aggregated distributions
                 ``(B, T-1, V)``, argmax tokens, certificates, raw model log-probs.
             top_logprobs: also return the n most likely tokens of r at every position.
+            cost: also return each position's charge (:func:`scpdr.bounds.token_cost`) when
+                its target and the ``top_logprobs`` alternatives are revealed: a row's running
+                sum is the certificate of serving it, and :func:`scpdr.bounds.within_budget`
+                says which positions a budget serves.
 
         Returns ``Tensor[B, T-1]`` (log r of each actual next token; 0.0 where the target or its
         context is padding) when no option is set, else a :class:`ScoreOutput`. Rows are
@@ -352,6 +357,7 @@ class ProtectedLM:
             t_x=t_x,
             components=components,
             top_logprobs=top_logprobs,
+            cost=cost,
         )
 
     def prompt_logprobs(
@@ -391,6 +397,9 @@ class ProtectedLM:
             stop_at_eos: finish a row at the eos token (kept in ``token_ids``).
             top_logprobs: also return the n most likely tokens of r at each step (shared).
             echo: also return the prompt's log-probs (``Generation.prompt_logprobs``).
+            budget: most nats each response may be charged (None: no budget): a token whose
+                charge would take ``Σ cost`` (echoed prompt positions included) past it is not
+                emitted, and the generation ends with ``finish_reason == "budget"``.
 
         Every sampling argument but ``top_logprobs`` may be one value or a list with one entry
         per prompt. An unknown keyword is a TypeError; ``sampling`` with keywords a ValueError.
@@ -412,6 +421,7 @@ class ProtectedLM:
                 g.logprobs.append(float(ev.logprob))  # type: ignore[arg-type]
                 g.k_x.append(float(ev.k_x))  # type: ignore[arg-type]
                 g.t_x.append(float(ev.t_x))  # type: ignore[arg-type]
+                g.cost.append(float(ev.cost))  # type: ignore[arg-type]
                 if g.top_logprobs is not None:
                     g.top_logprobs.append(ev.top_logprobs or [])
             if ev.finish_reason is not None:

@@ -57,6 +57,9 @@ class SamplingParams:
             every served position (the chosen token's log-prob is always returned).
         echo: also score the prompt (teacher forcing; each prefix as a fresh request).
         stop_at_eos: finish at an eos token (kept in the output).
+        budget: most nats the response may be charged (:func:`scpdr.bounds.token_cost`, summed
+            over its tokens and echoed prompt positions); a token whose charge would take it
+            past the budget is not emitted and the sequence ends ("budget"). None: no budget.
 
     Raises:
         ValueError: naming the field and the accepted values.
@@ -71,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None
     echo: bool = False
     stop_at_eos: bool = True
+    budget: float | None = None
 
     def __post_init__(self) -> None:
         x = self.max_new_tokens
@@ -93,6 +97,11 @@ class SamplingParams:
         for name in ("echo", "stop_at_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        x = self.budget
+        if x is not None and (not _is_number(x) or not x >= 0):
+            raise ValueError(f"budget must be None or a number of nats >= 0, got {x!r}")
+        if x is not None:
+            object.__setattr__(self, "budget", float(x))
         object.__setattr__(self, "stop", check_stop(self.stop))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -115,6 +124,7 @@ class SamplingParams:
         stop_at_eos: bool | Sequence[bool] = True,
         top_logprobs: int = 0,
         echo: bool | Sequence[bool] = False,
+        budget: float | Sequence[float | None] | None = None,
     ) -> list[SamplingParams]:
         """One :class:`SamplingParams` per prompt from ``generate``'s keyword arguments: each
         value is shared, or a list with one entry per prompt; ``stop`` as
@@ -130,6 +140,7 @@ class SamplingParams:
             "seed": _per_row(seed, n, "seed"),
             "stop_at_eos": _per_row(stop_at_eos, n, "stop_at_eos"),
             "echo": _per_row(echo, n, "echo"),
+            "budget": _per_row(budget, n, "budget"),
             "stop": per_prompt_stop(stop, n),
         }
         lp = top_logprobs or None
@@ -161,6 +172,7 @@ class SamplingOptions(TypedDict, total=False):
     stop_at_eos: bool | Sequence[bool]
     top_logprobs: int
     echo: bool | Sequence[bool]
+    budget: float | Sequence[float | None] | None
 
 
 def resolve_sampling(

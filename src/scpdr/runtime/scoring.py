@@ -7,6 +7,10 @@ log p_i over the targets after row b's first ``prompt_lengths[b]`` tokens only, 
 ``prompt + completion`` gives exactly the log-probs ``generate`` returned for the completion.
 Without it, the whole sequence after its first token is the path. The stateless rules do not
 depend on it.
+
+With ``cost`` each position is also charged (:meth:`Aggregator.cost
+<scpdr.runtime.aggregation.Aggregator.cost>`) for its target and the alternatives it reveals: what
+``prompt_logprobs`` (echo) serves costs what the same positions would cost when generated.
 """
 
 from __future__ import annotations
@@ -59,10 +63,14 @@ def score(
     t_x: bool = False,
     components: bool = False,
     top_logprobs: int = 0,
+    cost: bool = False,
+    reveal: Tensor | None = None,
 ) -> Tensor | ScoreOutput:
     """:meth:`ProtectedLM.score` on checked inputs (``ids``/``mask`` ``(B, T)`` on the model's
-    device, ``prompt_lengths`` from :func:`check_prompt_lengths`); see there. Rows are processed
-    in chunks so that at most ``lm.score_chunk_elements`` logits are held at once."""
+    device, ``prompt_lengths`` from :func:`check_prompt_lengths`); see there. ``reveal``
+    ``LongTensor[B]``: alternatives each row reveals, for its ``cost`` (default: all
+    ``top_logprobs``). Rows are processed in chunks so that at most
+    ``lm.score_chunk_elements`` logits are held at once."""
     b, t = ids.shape
     v = lm.vocab_size
     dev = ids.device
@@ -77,7 +85,10 @@ def score(
         t_x=torch.zeros(b, t - 1, device=dev) if t_x else None,
         top_logprobs=torch.zeros(b, t - 1, n_top, device=dev) if n_top else None,
         top_ids=torch.full((b, t - 1, n_top), -1, dtype=torch.long, device=dev) if n_top else None,
+        cost=torch.zeros(b, t - 1, device=dev) if cost else None,
     )
+    if reveal is None:
+        reveal = torch.full((b,), n_top, dtype=torch.long, device=dev)
     comp_l = torch.zeros(n_cons, b, t - 1, v) if components else None
     comp_b = torch.zeros(b, t - 1, v) if components and lm.variant == "b" else None
     if t >= 2:
@@ -85,8 +96,8 @@ def score(
         for s in range(0, b, rows):
             sl = slice(s, min(b, s + rows))
             pl = None if prompt_lengths is None else prompt_lengths[sl]
-            _score_chunk(lm, ids[sl], mask[sl], pl, sl, out, comp_l, comp_b)
-    if not (full or greedy or k_x or t_x or components or n_top):
+            _score_chunk(lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b)
+    if not (full or greedy or k_x or t_x or components or n_top or cost):
         return out.token_logprobs
     if components:
         assert comp_l is not None
@@ -99,6 +110,7 @@ def _score_chunk(
     ids: Tensor,
     mask: Tensor,
     prompt_lengths: Tensor | None,
+    reveal: Tensor,
     sl: slice,
     out: ScoreOutput,
     comp_l: Tensor | None,
@@ -122,8 +134,8 @@ def _score_chunk(
         dense[:, valid] = tgt.squeeze(-1) * on_path[valid]  # (2, b, T-1)
         path = (dense.cumsum(-1) - dense)[:, valid]  # exclusive prefix sums: (2, N)
     fbase = base if base is not None else (lm.base_vector if lm.variant == "c" else None)
-    need = out.k_x is not None or out.t_x is not None
-    log_r, kx, tx, _ = lm.aggregator(logits, fbase, path, bounds_too=need)  # (N, V)
+    need = out.k_x is not None or out.t_x is not None or out.cost is not None
+    log_r, kx, tx, comps = lm.aggregator(logits, fbase, path, bounds_too=need)  # (N, V)
     out.token_logprobs[sl][valid] = log_r.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     if out.logprobs is not None:
         out.logprobs[sl][valid] = log_r
@@ -133,10 +145,20 @@ def _score_chunk(
         out.k_x[sl][valid] = kx
     if out.t_x is not None:
         out.t_x[sl][valid] = tx
+    ti = None
     if out.top_logprobs is not None and out.top_ids is not None:
         tv, ti = torch.topk(log_r, out.top_logprobs.shape[-1], dim=-1)  # (N, n)
         out.top_logprobs[sl][valid] = tv
         out.top_ids[sl][valid] = ti
+    if out.cost is not None:
+        assert tx is not None
+        shown = target.unsqueeze(-1)  # (N, 1): the target, then the row's alternatives
+        if ti is not None:
+            rows = valid.nonzero()[:, 0]  # (N,) the row of each position
+            rank = torch.arange(ti.shape[-1], device=ti.device)
+            alts = ti.masked_fill(rank >= reveal[rows].unsqueeze(-1), -1)
+            shown = torch.cat([shown, alts], dim=-1)
+        out.cost[sl][valid] = lm.aggregator.cost(log_r, comps, tx, shown)
     if comp_l is not None:
         vc = valid.cpu()
         comp_l[:, sl][:, vc] = torch.log_softmax(logits, dim=-1).cpu()
@@ -163,11 +185,22 @@ def prompt_logprobs(
     for b, p in enumerate(encoded):
         ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         mask[b, : len(p)] = 1
-    lengths = [len(p) for p in encoded]
-    out = lm.score(ids, mask, prompt_lengths=lengths, k_x=True, t_x=True, top_logprobs=max(tops))
+    lengths = torch.tensor([len(p) for p in encoded], device=lm.device)
+    out = score(
+        lm,
+        ids.to(lm.device),
+        mask.to(lm.device),
+        prompt_lengths=lengths,
+        k_x=True,
+        t_x=True,
+        top_logprobs=min(max(tops), lm.vocab_size),
+        cost=True,
+        reveal=torch.tensor(tops, device=lm.device),
+    )
     assert isinstance(out, ScoreOutput) and out.k_x is not None and out.t_x is not None
+    assert out.cost is not None
     chosen = out.token_logprobs.cpu().tolist()
-    kx, tx = out.k_x.cpu().tolist(), out.t_x.cpu().tolist()
+    kx, tx, costs = out.k_x.cpu().tolist(), out.t_x.cpu().tolist(), out.cost.cpu().tolist()
     ti: list[Any] = []
     tv: list[Any] = []
     if out.top_ids is not None and out.top_logprobs is not None:
@@ -176,5 +209,5 @@ def prompt_logprobs(
     for b, (p, k) in enumerate(zip(encoded, tops, strict=True)):
         m = len(p) - 1
         top = [list(zip(ti[b][i][:k], tv[b][i][:k], strict=True)) if k else [] for i in range(m)]
-        result.append(PromptLogprobs(chosen[b][:m], top, kx[b][:m], tx[b][:m]))
+        result.append(PromptLogprobs(chosen[b][:m], top, kx[b][:m], tx[b][:m], costs[b][:m]))
     return result
