@@ -34,6 +34,10 @@ def serve(
     model_name: str | None = _option("model_name"),
     max_request_bytes: int = _option("max_request_bytes"),
     max_sequences_per_request: int = _option("max_sequences_per_request"),
+    budget: float | None = _option("budget"),
+    client_budget: float | None = _option("client_budget"),
+    budget_window: float | None = _option("budget_window"),
+    budget_file: str | None = _option("budget_file"),
     log_level: str = _option("log_level"),
 ) -> None:
     """Serve BUNDLE over the OpenAI API (completions, chat, models) with NAF certificates."""

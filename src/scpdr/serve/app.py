@@ -1,7 +1,8 @@
 """The FastAPI app: its factory and routes (after vLLM's ``entrypoints/openai/api_server.py``).
 
 Endpoints: ``POST /v1/completions`` (:mod:`~scpdr.serve.completions`), ``POST /v1/chat/completions``
-(:mod:`~scpdr.serve.chat`), ``GET /v1/models`` (``/v1/models/{id}``), ``GET /health``, and vLLM's
+(:mod:`~scpdr.serve.chat`), ``GET /v1/models`` (``/v1/models/{id}``), ``GET /v1/budget`` (the
+caller's balance, :mod:`~scpdr.serve.budget`), ``GET /health``, and vLLM's
 tokenizer endpoints that lm-evaluation-harness's ``RemoteTokenizer`` calls: ``GET
 /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize``.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from scpdr.serve.chat import ChatEndpoint, chat_prompt
@@ -58,6 +59,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
             yield
         finally:
             engine.stop()
+            state.accountant.close()
 
     app = FastAPI(
         title="scpdr",
@@ -98,13 +100,21 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         state.check_model(model_id)
         return json_response(model_card())
 
+    def client(request: Request) -> str | None:
+        """The caller: the API-key middleware's fingerprint of its key (None without keys)."""
+        return getattr(request.state, "client", None)
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return await completion.respond(req)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await completion.respond(req, client(request))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
-        return await chat.respond(req)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.respond(req, client(request))
+
+    @app.get("/v1/budget")
+    async def budget(request: Request) -> Response:
+        return JSONResponse(state.accountant.balance(client(request)))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
@@ -145,5 +155,5 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         state.check_ids(req.tokens, param="tokens", empty=True)
         return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
 
-    add_middleware(app, api_key=config.api_key, max_request_bytes=config.max_request_bytes)
+    add_middleware(app, api_keys=config.api_keys, max_request_bytes=config.max_request_bytes)
     return app

@@ -80,7 +80,7 @@ class ChatEndpoint(GenerationEndpoint):
                     message=AssistantMessage(content=c.completion_text),
                     logprobs=chat_logprobs(text, c.tokens, k) if req.logprobs else None,
                     finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                    naf=self.state.certificate(c.tokens),
+                    naf=self.state.certificate(c.tokens, budget=c.budget),
                 )
                 for i, c in enumerate(run.choices)
             ],
@@ -106,7 +106,9 @@ class ChatEndpoint(GenerationEndpoint):
                     i,
                     DeltaMessage(content=event.text),
                     logprobs=chat_logprobs(self.state.text, [event], k) if req.logprobs else None,
-                    naf=self.state.certificate(c.tokens, listed=slice(n - 1, n)),
+                    naf=self.state.certificate(
+                        c.tokens, budget=c.budget, listed=slice(n - 1, n)
+                    ),
                 )
             elif isinstance(event, Finished):
                 yield self._chunk(
@@ -114,5 +116,5 @@ class ChatEndpoint(GenerationEndpoint):
                     i,
                     DeltaMessage(content=event.text or None),
                     finish_reason=event.finish_reason,
-                    naf=self.state.certificate(c.tokens, listed=slice(n, n)),
+                    naf=self.state.certificate(c.tokens, budget=c.budget, listed=slice(n, n)),
                 )

@@ -74,7 +74,9 @@ class CompletionEndpoint(GenerationEndpoint):
             text=(choice.prompt_text if req.echo else "") + choice.completion_text,
             logprobs=logprobs,
             finish_reason=choice.finish_reason,  # type: ignore[arg-type]
-            naf=self.state.certificate(choice.tokens, choice.prompt_logprobs),
+            naf=self.state.certificate(
+                choice.tokens, choice.prompt_logprobs, budget=choice.budget
+            ),
         )
 
     def build(self, req: CompletionRequest, run: Run) -> CompletionResponse:
@@ -98,7 +100,7 @@ class CompletionEndpoint(GenerationEndpoint):
     ) -> str:
         c = run.choices[i]
         naf = self.state.certificate(
-            c.tokens, c.prompt_logprobs, listed=listed, list_prompt=list_prompt
+            c.tokens, c.prompt_logprobs, budget=c.budget, listed=listed, list_prompt=list_prompt
         )
         choice = CompletionChoice(
             index=i,

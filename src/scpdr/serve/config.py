@@ -12,6 +12,7 @@ imports neither pydantic nor FastAPI.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,12 +70,39 @@ class ServeConfig:
         "Model id in the API (default: the bundle directory's name).",
         option="--served-model-name",
     )
-    api_key: str | None = _f(None, "Require 'Authorization: Bearer KEY' on every path but /health.")
+    api_key: str | None = _f(
+        None,
+        "Require 'Authorization: Bearer KEY' on every path but /health; several keys separated "
+        "by commas are several clients (each its own --client-budget).",
+    )
     max_request_bytes: int = _f(
         2 * 1024 * 1024, "Largest request body in bytes (413 above).", min=1024
     )
     max_sequences_per_request: int = _f(
         64, "Most prompts × n in one request (400 above).", min=1, option="--max-sequences"
+    )
+    # ---- the accountant (docs/accountant.md) ------------------------------------------------------
+    budget: float | None = _f(
+        None,
+        "Nats each response (one choice, its echoed prompt included) may be charged; the token "
+        "that would go past it is withheld (finish_reason 'budget'). Default: no limit.",
+        min=0,
+    )
+    client_budget: float | None = _f(
+        None,
+        "Nats each API key may be charged over all its responses in --budget-window (429 "
+        "past it); kept in --budget-file across restarts. Default: no limit.",
+        min=0,
+    )
+    budget_window: float | None = _f(
+        None,
+        "Seconds over which --client-budget is summed (a charge stops counting this long after "
+        "it was made). Default: none, the budget never refills.",
+        min=0,
+    )
+    budget_file: str | None = _f(
+        None,
+        "SQLite file of the clients' usage (default: $SCPDR_HOME/budgets/<model id>.sqlite).",
     )
     # ---- the batching engine ----------------------------------------------------------------------
     max_batch: int = _f(8, "Most sequences decoded together.", min=1)
@@ -102,9 +130,26 @@ class ServeConfig:
             known = ", ".join(LOG_LEVELS)
             raise _error("log_level", f"must be one of {known}, got {self.log_level!r}")
         object.__setattr__(self, "log_level", self.log_level.lower())  # uvicorn's keys
-        for name in ("host", "model_name", "api_key"):
+        for name in ("host", "model_name", "api_key", "budget_file"):
             if getattr(self, name) == "":
                 raise _error(name, "must not be empty")
+        if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
+            raise _error("api_key", "has an empty key (keys are separated by commas)")
+        for name in ("budget", "client_budget", "budget_window"):
+            x = getattr(self, name)
+            if x is not None and not math.isfinite(x):
+                raise _error(name, f"must be a finite number, got {x!r}")
+        if self.budget_window is not None and self.budget_window <= 0:
+            raise _error("budget_window", f"must be > 0 seconds, got {self.budget_window!r}")
+        if self.budget_window is not None and self.client_budget is None:
+            raise _error("budget_window", "needs --client-budget (the budget it refills)")
+        if self.budget_file is not None and self.client_budget is None:
+            raise _error("budget_file", "needs --client-budget (the usage it keeps)")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (``api_key`` split at commas); empty: no authentication."""
+        return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())
 
     @property
     def served_model_name(self) -> str:
@@ -116,7 +161,7 @@ def _check_range(f: dataclasses.Field[Any], value: Any) -> None:
     lo, hi = f.metadata.get("min"), f.metadata.get("max")
     if value is None or (lo is None and hi is None):
         return
-    number = (int, float) if f.type == "float" else int
+    number = (int, float) if "float" in str(f.type) else int
     if isinstance(value, bool) or not isinstance(value, number):
         raise _error(f.name, f"must be a number, got {value!r}")
     if lo is not None and value < lo:

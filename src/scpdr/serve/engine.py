@@ -13,8 +13,10 @@ Concurrent requests therefore share model steps; a request that arrives while a 
 for the next one (static batches, no preemption: simple and correct).
 
 Only aggregate quantities leave the worker: the aggregate log-probs log r(y|x), its top-k
-alternatives, and the certificate values k_x (Definition 2.1 with Theorems 2.3/2.7) and t_x
-(Theorem 4.4). Constituent distributions are never requested from the model here.
+alternatives, the certificate values k_x (Definition 2.1 with Theorems 2.3/2.7) and t_x
+(Theorem 4.4), and each token's charge (the accountant, ``docs/accountant.md``). Constituent
+distributions are never requested from the model here. A sequence's ``SamplingParams.budget``
+is enforced by the runtime (a withheld token ends it with finish reason "budget").
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ class EngineStoppedError(EngineError):
 
 @dataclass(frozen=True)
 class TokenOutput:
-    """One generated token: its text delta, its log-prob under the aggregate, alternatives, and the
-    certificate of the distribution it was drawn from (k_x: Def. 2.1; t_x: Theorem 4.4)."""
+    """One generated token: its text delta, its log-prob under the aggregate, alternatives, the
+    certificate of the distribution it was drawn from (k_x: Def. 2.1; t_x: Theorem 4.4) and its
+    charge (``cost``, :func:`scpdr.bounds.token_cost`)."""
 
     token_id: int
     text: str
@@ -75,11 +78,12 @@ class TokenOutput:
     k_x: float
     t_x: float
     top_logprobs: list[tuple[int, float]]
+    cost: float = 0.0
 
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "budget"
     text: str = ""  # text released with the end (e.g. a held-back partial stop string)
 
 
@@ -333,6 +337,7 @@ class Engine:
                             k_x=float(ev.k_x),
                             t_x=float(ev.t_x),
                             top_logprobs=[(int(t), float(v)) for t, v in ev.top_logprobs or []],
+                            cost=float(ev.cost),
                         )
                     )
                 if ev.finish_reason is not None:

@@ -5,9 +5,9 @@ Outermost first (:func:`add_middleware` installs them in this order):
 1. :class:`RequestIdMiddleware`: every response carries ``X-Request-Id`` (the client's, when it
    sent a usable one, else a new one), and ``request.state.request_id`` holds it for logs.
 2. :class:`APIKeyMiddleware`: ``Authorization: Bearer KEY`` on every path but ``/health`` (401
-   otherwise; constant-time comparison). It records who called in ``request.state.client``: a
-   fingerprint of the key, never the key itself. A per-client accountant (issue 16's budget,
-   ``serve/budget.py``) keys its usage on it.
+   otherwise; constant-time comparison against each accepted key). It records who called in
+   ``request.state.client``: a fingerprint of the key, never the key itself. The accountant
+   (``serve/budget.py``) keys each client's usage on it.
 3. :class:`BodyLimitMiddleware`: bodies over the limit are a 413, also chunked ones that declare
    no length (the body is counted while it is read).
 """
@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import re
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from scpdr.serve.errors import APIError, send_error
@@ -77,19 +78,22 @@ class RequestIdMiddleware:
 
 
 class APIKeyMiddleware:
-    """401 without ``Authorization: Bearer <api_key>`` (on every path but :data:`OPEN_PATHS`)."""
+    """401 without ``Authorization: Bearer <key>`` for one of ``api_keys`` (on every path but
+    :data:`OPEN_PATHS`); no keys: every request passes (and has no ``client``)."""
 
-    def __init__(self, app: Any, *, api_key: str | None) -> None:
+    def __init__(self, app: Any, *, api_keys: Sequence[str] = ()) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = [k.encode() for k in api_keys if k]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self.api_key is None or scope.get("path") in OPEN_PATHS:
+        if scope["type"] != "http" or not self.api_keys or scope.get("path") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
         token = token.strip()
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):
+        # compare with every key (no early exit): the time does not say which key was close
+        known = [hmac.compare_digest(token, key) for key in self.api_keys]
+        if scheme.lower() != b"bearer" or not any(known):
             err = APIError(
                 "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                 status=401,
@@ -156,8 +160,8 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-def add_middleware(app: Any, *, api_key: str | None, max_request_bytes: int) -> None:
+def add_middleware(app: Any, *, api_keys: Sequence[str], max_request_bytes: int) -> None:
     """Install the three on a Starlette/FastAPI ``app`` (the last added runs first)."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(RequestIdMiddleware)

@@ -10,9 +10,10 @@ exists for a constituent's distribution.
 
 Each response choice carries the extension object ``naf`` (:class:`NafCertificate`): the NAF bound
 ``k_x`` of every served token (Definition 2.1; Theorems 2.3/2.7, SCP-Δr via Algorithm 1) and the
-per-token LiRA bound ``t_x`` (Theorem 4.4), with their maxima over the choice. The maxima bound
-each token on its own, not the response: a response's likelihood ratio is the product of its
-tokens' (the accountant of issue 16 will certify whole responses).
+per-token LiRA bound ``t_x`` (Theorem 4.4), with their maxima over the choice, and the
+accountant's charge ``cost`` of each token: ``sum_cost`` certifies the whole response (its
+log-likelihood ratio against every constituent is at most ``sum_cost`` <= ``sum_t_x``;
+``docs/accountant.md``). The maxima bound each token on its own, not the response.
 """
 
 from __future__ import annotations
@@ -160,6 +161,10 @@ class _SamplingFields(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+#: "budget": the next token's charge would have taken the response past its budget (withheld).
+FinishReason = Literal["stop", "length", "budget"]
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
@@ -176,6 +181,13 @@ class NafCertificate(_Response):
     constituent. ``null`` means there is no finite bound (e.g. method "none" on one model).
     With ``echo`` and logprobs, ``prompt_k_x``/``prompt_t_x`` certify the served prompt positions
     too (entry 0 is null, like ``token_logprobs``), and the maxima cover them.
+
+    The accountant (``docs/accountant.md``): ``cost[i]`` is the i-th token's charge, at least the
+    realized log-likelihood ratio of everything the client sees at that position against every
+    constituent and at most ``t_x[i]``; ``sum_cost`` (tokens and served prompt positions) is the
+    **certificate of the response**: its log-likelihood ratio against every constituent is at
+    most ``sum_cost`` (chain rule), and ``sum_t_x`` is the worst case. ``budget_left`` is what
+    the choice's budget still allows (null without one).
     """
 
     method: str = Field(description="Aggregation rule (scpdr.methods.RULES).")
@@ -185,14 +197,29 @@ class NafCertificate(_Response):
     t_x: list[float | None] = Field(description="Per completion token LiRA bound (Thm 4.4).")
     max_k_x: float | None = Field(description="Max of k_x (and prompt_k_x); null if none/infinite.")
     max_t_x: float | None = Field(
-        description="Max per-token t_x (and prompt_t_x), not a bound on the whole response; "
-        "null if none/infinite."
+        description="Max per-token t_x (and prompt_t_x): the worst single token, not a bound "
+        "on the response (sum_cost is); null if none/infinite."
+    )
+    cost: list[float | None] = Field(
+        default_factory=list, description="Per completion token charge (<= t_x)."
+    )
+    sum_cost: float | None = Field(
+        None,
+        description="The response's certificate: Σ cost over its tokens and served prompt "
+        "positions; null if infinite (no certificate).",
+    )
+    sum_t_x: float | None = Field(None, description="Σ t_x over the same positions (worst case).")
+    budget_left: float | None = Field(
+        None, description="Nats the choice's budget still allows; null without a budget."
     )
     prompt_k_x: list[float | None] | None = Field(
         None, description="With echo + logprobs: k_x at each served prompt position."
     )
     prompt_t_x: list[float | None] | None = Field(
         None, description="With echo + logprobs: t_x at each served prompt position."
+    )
+    prompt_cost: list[float | None] | None = Field(
+        None, description="With echo + logprobs: the charge of each served prompt position."
     )
 
 
@@ -264,7 +291,7 @@ class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     naf: NafCertificate
 
 
@@ -383,7 +410,7 @@ class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
     naf: NafCertificate
 
 
@@ -403,7 +430,7 @@ class ChatChunkChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     naf: NafCertificate | None = None
 
 

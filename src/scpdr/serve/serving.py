@@ -1,15 +1,19 @@
 """What both generation endpoints share (after vLLM's ``entrypoints/openai/serving_engine.py``):
 the serving state (model facts, a front-end tokenizer, request validation, the ``naf`` object) and
 :class:`GenerationEndpoint`, the one flow of ``/v1/completions`` and ``/v1/chat/completions``:
-validate, build one :class:`~scpdr.runtime.sampling.SamplingParams` per prompt and choice, submit to
-the engine, then stream the endpoint's SSE events or collect every choice into its response.
+validate, build one :class:`~scpdr.runtime.sampling.SamplingParams` per prompt and choice, give each
+its budget (the accountant, :mod:`~scpdr.serve.budget`: the per-response budget and the caller's
+share of its client budget, reserved), submit to the engine, then stream the endpoint's SSE events
+or collect every choice into its response, and settle the caller's charge to what it was served.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -22,6 +26,7 @@ from pydantic import BaseModel
 
 from scpdr import methods
 from scpdr.runtime.sampling import SamplingParams
+from scpdr.serve.budget import Accountant, Allotment
 from scpdr.serve.certificate import build_certificate
 from scpdr.serve.config import ServeConfig
 from scpdr.serve.engine import (
@@ -68,6 +73,8 @@ class ServingState:
         lm = engine.lm
         self.engine = engine
         self.config = config
+        #: The budgets (per response, per client) and the clients' usage file.
+        self.accountant = Accountant.from_config(config)
         self.model_name = config.served_model_name
         # The worker thread uses lm.tokenizer; a fast tokenizer is not safe to share across
         # threads, so the HTTP side has its own copies.
@@ -145,19 +152,24 @@ class ServingState:
         tokens: Sequence[TokenOutput],
         prompt: PromptLogprobs | None = None,
         *,
+        budget: float | None = None,
         listed: slice | None = None,
         list_prompt: bool = True,
     ) -> NafCertificate:
-        """The ``naf`` object of a choice whose completion so far is ``tokens``; ``listed``
-        restricts the per-token lists (streaming), the maxima cover every token."""
+        """The ``naf`` object of a choice whose completion so far is ``tokens`` (held to
+        ``budget``); ``listed`` restricts the per-token lists (streaming), the maxima and sums
+        cover every token."""
         return build_certificate(
             method=self.method,
             m=self.m,
             name=self.name,
             k_x=[t.k_x for t in tokens],
             t_x=[t.t_x for t in tokens],
+            cost=[t.cost for t in tokens],
             prompt_k_x=None if prompt is None else [None, *prompt.k_x],
             prompt_t_x=None if prompt is None else [None, *prompt.t_x],
+            prompt_cost=None if prompt is None else [None, *prompt.cost],
+            budget=budget,
             listed=listed,
             list_prompt=list_prompt,
         )
@@ -178,6 +190,19 @@ class Choice:
     tokens: list[TokenOutput] = field(default_factory=list)
     tail: str = ""
     finish_reason: str | None = None
+    budget: float | None = None  # nats this choice may be charged (None: no budget)
+
+    @property
+    def charged(self) -> float:
+        """What the client is charged for the choice: the charges of its tokens and served
+        prompt positions (``naf.sum_cost``); a choice its budget stopped is charged its whole
+        budget (the stop itself told the client that the next token costs more than was left,
+        and the client's balance then reaches 0 exactly: a 429, not empty responses)."""
+        echoed = self.prompt_logprobs.cost if self.prompt_logprobs is not None else []
+        spent = math.fsum([*echoed, *(t.cost for t in self.tokens)])
+        if self.finish_reason == "budget" and self.budget is not None:
+            return max(spent, self.budget)
+        return spent
 
     @property
     def completion_text(self) -> str:
@@ -196,12 +221,20 @@ class Choice:
 @dataclass
 class Run:
     """A generation request submitted to the engine: its event stream, its choices (filled in
-    from the events), and the id and creation time of its response."""
+    from the events), the id and creation time of its response, and what settles its charge
+    once it is over (:meth:`settle`)."""
 
     stream: RequestStream
     choices: list[Choice]
     rid: str
     created: int
+    on_settle: Any = None  # Callable[[float], None]: the client's charge, called once
+
+    def settle(self) -> None:
+        """Charge the caller what its choices were served (once; later calls do nothing)."""
+        fn, self.on_settle = self.on_settle, None
+        if fn is not None:
+            fn(math.fsum(c.charged for c in self.choices))
 
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
         """The engine's ``(choice index, event)`` pairs (the caller applies each to its choice);
@@ -297,19 +330,33 @@ class GenerationEndpoint(ABC):
             choices.append(Choice(prompt_text=text, prompt_ids=ids))
             seqs.append((ids, params))
 
-    async def respond(self, req: GenerationRequest) -> Response:
-        """Validate, submit to the engine, then stream or collect the response."""
+    async def respond(self, req: GenerationRequest, client: str | None = None) -> Response:
+        """Validate, give each sequence its budget (``client``: the caller's key fingerprint;
+        a 429 when its budget is spent), submit to the engine, then stream or collect the
+        response; the caller is charged what it was served."""
         self.state.check_model(req.model)
         choices, seqs = self.inputs(req)
+        accountant = self.state.accountant
+        allotment = accountant.allot(client, len(seqs))  # BudgetExhaustedError: 429
+        seqs = _with_budgets(choices, seqs, allotment)
+
+        def settle(nats: float, allotment: Allotment = allotment) -> None:
+            accountant.settle(client, allotment, nats)
+
         try:
             stream = self.state.engine.submit(seqs)
         except (EngineOverloadedError, EngineStoppedError) as exc:
+            settle(0.0)
             raise from_engine_error(exc) from exc
-        run = Run(stream, choices, f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time()))
+        rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        run = Run(stream, choices, rid, int(time.time()), on_settle=settle)
         if req.stream:
             events = self._sse(req, run)
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        await run.collect()
+        try:
+            await run.collect()
+        finally:
+            run.settle()
         return json_response(self.build(req, run))
 
     async def _sse(self, req: GenerationRequest, run: Run) -> AsyncIterator[str]:
@@ -331,3 +378,13 @@ class GenerationEndpoint(ABC):
             yield _DONE
         finally:
             run.stream.cancel()
+            run.settle()
+
+
+def _with_budgets(choices: list[Choice], seqs: Sequences, allotment: Allotment) -> Sequences:
+    """Each sequence's sampling parameters with its allotted budget (and its choice told)."""
+    out: Sequences = []
+    for choice, (ids, params), budget in zip(choices, seqs, allotment.budgets, strict=True):
+        choice.budget = budget
+        out.append((ids, dataclasses.replace(params, budget=budget)))
+    return out

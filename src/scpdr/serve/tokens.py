@@ -113,14 +113,14 @@ def completion_logprobs(
     start: int = 0,
 ) -> CompletionLogprobs:
     """The legacy completions shape over ``prompt_ids`` (echo; entry 0 is null: no context, and
-    every prompt entry is null when the prompt was not scored) then ``tokens``; text offsets
-    count from ``start``."""
+    every prompt entry is null when the prompt was not scored, or was withheld by the budget:
+    past ``prompt_logprobs.served``) then ``tokens``; text offsets count from ``start``."""
     ids: list[int] = []
     token_lps: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     for i, t in enumerate(prompt_ids):
         ids.append(t)
-        if i == 0 or prompt_logprobs is None:
+        if i == 0 or prompt_logprobs is None or i > prompt_logprobs.served:
             token_lps.append(None)
             tops.append(None)
         else:
