@@ -88,6 +88,9 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                 "m": state.m,
                 "name": state.name,
                 "num_constituents": state.num_constituents,
+                "budget": config.budget,
+                "client_budget": config.client_budget,
+                "budget_window_s": config.budget_window,
             },
         )
 

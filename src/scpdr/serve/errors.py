@@ -9,6 +9,7 @@
 | 405 | wrong HTTP method | ``method_not_allowed`` |
 | 413 | body over the limit | ``request_too_large`` |
 | 429 | the engine's queue is full (``Retry-After: 1``) | ``requests`` / ``rate_limit_exceeded`` |
+| 429 | the API key's budget is spent (``serve/budget.py``) | ``insufficient_quota`` / ``budget_exceeded`` |
 | 500 | anything unexpected (the message names no internals) | ``server_error`` / ``internal_error`` |
 | 503 | the engine is shutting down | ``server_error`` / ``unavailable`` |
 """
