@@ -9,7 +9,9 @@ partition lets every constituent learn it. So partitioning here
    whitespace collapsed), MinHash signatures and LSH (datasketch) to find candidate pairs, each
    candidate verified by its *exact* shingle Jaccard ``>= threshold``; exact duplicates (same
    content hash) are always grouped; groups are the connected components (union-find);
-2. assigns whole groups to ``k`` partitions, balanced (largest groups first, each to the currently
+2. joins the groups of records of the same data subject (:attr:`Record.group
+   <scpdr.data.records.Record.group>`, ``--group-field``: a customer's tickets stay together);
+3. assigns whole groups to ``k`` partitions, balanced (largest groups first, each to the currently
    smallest partition) in a seeded order; groups containing a *pinned* record (e.g. canary copies,
    which must all land in one chosen partition) go to that partition.
 
@@ -26,7 +28,7 @@ from typing import Any
 
 from scpdr.data.audit import AuditReport, Overlap, audit_dir, audit_partitions
 from scpdr.data.canaries import CanaryRegistry
-from scpdr.data.grouping import GroupingConfig, group_near_duplicates, shingles
+from scpdr.data.grouping import GroupingConfig, group_near_duplicates, merge_groups, shingles
 from scpdr.data.manifest import (
     PartitionEntry,
     PartitionManifest,
@@ -78,7 +80,9 @@ def partition_records(
         validation: held-out records stored beside the partitions (never partitioned).
         dataset: provenance recorded in the manifest (e.g. ``{"name": "names2ids", "seed": 0}``).
 
-    Partition sizes of unpinned records differ by at most the largest group's size.
+    Records with the same :attr:`~scpdr.data.records.Record.group` share a partition (with their
+    near-duplicates). Partition sizes of unpinned records differ by at most the largest group's
+    size.
     """
     if k < 1:
         raise DataError(f"need k >= 1 partitions, got {k}")
@@ -105,6 +109,8 @@ def partition_records(
             raise DataError(f"id {rid!r} is pinned to partition {p}, outside 0..{k - 1}")
 
     groups = group_near_duplicates([r.text for r in records], grouping=grouping)
+    if any(r.group is not None for r in records):  # a data subject's records stay together
+        groups = merge_groups(groups, [r.group for r in records])
     group_pin: list[int | None] = []
     for g in groups:
         targets = {pins[ids[i]] for i in g if ids[i] in pins}
@@ -139,8 +145,8 @@ def partition_records(
     empty = [p for p, part in enumerate(parts) if not part]
     if empty:
         raise DataError(
-            f"{len(records)} records in {len(groups)} near-duplicate group(s) cannot fill k = {k} "
-            f"partitions: partition(s) {empty} would be empty and their constituents would train "
+            f"{len(records)} records in {len(groups)} group(s) (near-duplicates, data "
+            f"subjects) cannot fill k = {k} partitions: partition(s) {empty} would be empty and their constituents would train "
             "on nothing; lower k (--k) or add records"
         )
     manifest = PartitionManifest(
