@@ -74,7 +74,10 @@ def train_bundle(
             raise ConfigError(f"partition {i} is empty; use fewer partitions or more data")
         logger.info("training constituent %d/%d on %d records", i + 1, pset.k, len(part))
         refs.append(
-            finetune(part, base=base, config=cfg, out=out / f"constituent-{i}", callbacks=callbacks)
+            # the config as given: finetune sizes what it leaves unset to the partition
+            finetune(
+                part, base=base, config=config, out=out / f"constituent-{i}", callbacks=callbacks
+            )
         )
 
     prompts = list(constant_base_prompts or [r.text for r in pset.validation[:100]])
