@@ -98,7 +98,11 @@ def load_user_split(
     else:
         k_val = n_val if n_val is not None else round(val_fraction * len(records))
         train, val = split_validation(records, n_val=k_val, n_train=n_train, seed=seed)
-        how = {"source": "carved", "fraction": val_fraction, "n_val": n_val, "records": len(val)}
+        how = {
+            "source": "carved",
+            **({"n_val": n_val} if n_val is not None else {"fraction": val_fraction}),
+            "records": len(val),
+        }
         if n_val is None and val_fraction > 0 and not val:
             logger.warning(
                 "%s: %d records give no validation record at --val-fraction %s",
