@@ -37,6 +37,7 @@ __all__ = [
     "add_secrets",
     "check_secret_field",
     "detect_pii",
+    "secret_index",
     "secret_occurrences",
 ]
 
@@ -223,6 +224,20 @@ def _finder(secrets: Iterable[str]):
         return hits
 
     return find
+
+
+def secret_index(records: Sequence[Record]) -> dict[str, list[int]]:
+    """``{secret: indices of the records whose text contains it}`` for every declared secret of
+    ``records`` (declared there or only mentioned: one email in two unrelated records)."""
+    secrets = dict.fromkeys(s for r in records for s in r.secrets)
+    if not secrets:
+        return {}
+    find = _finder(secrets)
+    out: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        for s in find(r.text) | set(r.secrets):
+            out.setdefault(s, []).append(i)
+    return out
 
 
 def secret_occurrences(parts: Sequence[Sequence[Record]]) -> list[SecretOccurrence]:
