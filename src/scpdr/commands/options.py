@@ -104,7 +104,7 @@ def _default_text(group: OptionGroup, name: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, (list, tuple)):
-        return ", ".join(map(str, value))
+        return ", ".join(map(str, value)) or None
     return str(value)
 
 

@@ -6,7 +6,8 @@ A record's secrets are substrings of its text (:attr:`Record.secrets
 - a column of the file (``--secrets-field NAME``: a list of substrings of the record);
 - regular expressions (``--secret-pattern REGEX``, repeatable): every match in a record's text;
 - optionally detected PII (``--detect-pii``): the pattern recognizers of Microsoft Presidio
-  (emails, phone numbers, credit cards, IBANs, ...; the optional extra ``scpdr[pii]``).
+  (emails, phone numbers, credit cards, IBANs, ...; optional: ``pip install
+  presidio-analyzer``).
 
 Secrets travel with the partitions (``partition-<i>.jsonl``), never into a deployable bundle
 (``scpdr export``). The NAF guarantee protects a secret only if it is absent from at least one
@@ -66,7 +67,7 @@ class SecretsConfig(BaseModel):
     detect_pii: bool = Field(
         False,
         description="Also mark PII found by Presidio's pattern recognizers as secret "
-        "(pip install 'scpdr[pii]').",
+        "(pip install presidio-analyzer).",
     )
     pii_entities: tuple[str, ...] = Field(
         PII_ENTITIES, description="Presidio entities --detect-pii looks for."

@@ -1,4 +1,4 @@
-"""Own-data fixtures: a support-ticket file with declared secrets (emails, account numbers) and
+"""Own-data test input: a support-ticket file with declared secrets (emails, account numbers) and
 customers with several tickets, as a user of `scpdr train --secrets-field --group-field` has."""
 
 from __future__ import annotations
@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-
-import pytest
 
 TEMPLATES = (
     "Customer {name} wrote in: please update the email on my account to {email}; my account "
@@ -55,8 +53,3 @@ def tickets(n: int, *, seed: int = 0, customers: int | None = None) -> list[dict
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
-
-
-@pytest.fixture
-def ticket_file(tmp_path: Path) -> Path:
-    return write_jsonl(tmp_path / "tickets.jsonl", tickets(40, seed=1, customers=16))
