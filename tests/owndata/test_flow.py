@@ -73,6 +73,19 @@ def test_eval_prints_the_table_and_writes_secret_rows_and_risk_lines(flow, capsy
     assert not any(s in report for s in secrets_text)
 
 
+def test_an_m_sweep_runs_the_smoothed_methods_at_each_m(flow, capsys):
+    out = flow["root"] / "sweep"
+    argv = ["eval", str(flow["B"]), "--out", str(out), "--methods", f"{NO_CP},{SCP_B}"]
+    assert main([*argv, "--attacks", "secrets,utility", "--m", "1,3"]) == 0
+    assert "Choosing m" in capsys.readouterr().out
+    rows = json.loads((out / "results.json").read_text())
+    assert {r["m"] for r in rows if r["method"] == SCP_B} == {1, 3}
+    assert all("m" not in r for r in rows if r["method"] == NO_CP)  # not smoothed: run once
+    # the bundle's m (10) is not swept: the main table runs at the first m, the rest are sweeps
+    assert all(r.get("sweep") is None for r in rows if r.get("m") == 1)
+    assert all(r.get("sweep") == "m" for r in rows if r.get("m") == 3)
+
+
 def test_export_has_no_training_text_or_secret(flow):
     assert main(["export", str(flow["B"]), "--out", str(flow["D"])]) == 0
     assert verify_export(flow["D"]) == []

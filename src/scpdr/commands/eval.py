@@ -199,6 +199,14 @@ def eval_(
         eval_data.members = list(load_records(members))  # prompted: the response given the prompt
     if method_list is None:
         method_list = auto_methods(eval_data)
+        if len(method_list) < len(MAIN_TABLE_METHODS):
+            log.info(
+                "methods %s: the main table's %d methods would take too long on this CPU; "
+                "pass --methods %s for all of them",
+                ",".join(method_list),
+                len(MAIN_TABLE_METHODS),
+                _DEFAULT_METHODS,
+            )
         lacks = {"model": manifest.base is None, "constant": manifest.constant_base is None}
         dropped = [n for n in method_list if lacks.get(SPECS[n].base or "", False)]
         if dropped:
