@@ -233,7 +233,10 @@ def eval_(
         seed=seed,
         **sizes,
     )
-    _check_data(eval_data, attack_list, options, data, missing_data, ATTACKS, ConfigError, log)
+    quiet = attacks == _DEFAULT_ATTACKS  # the default list: canary/pii often have no data
+    _check_data(
+        eval_data, attack_list, options, data, missing_data, ATTACKS, ConfigError, log, quiet
+    )
     main_m = manifest.m if ms is None else (manifest.m if manifest.m in ms else ms[0])
     store = ModelStore()  # every model loads once, whatever the m
     scorers = load_scorers(bundle, method_list, m=main_m, reference=reference, store=store)
@@ -257,7 +260,9 @@ def eval_(
     _write_and_print(out, rows, timings, report, eval_data, method_list, main_m, ms)
 
 
-def _check_data(eval_data, attack_list, options, data, missing_data, attacks, error, log) -> None:
+def _check_data(
+    eval_data, attack_list, options, data, missing_data, attacks, error, log, quiet
+) -> None:
     """Before any model loads: an attack without its data is skipped; none left is an error."""
     missing = missing_data(eval_data, attack_list, options)
     if set(missing) == set(attack_list):
@@ -279,8 +284,8 @@ def _check_data(eval_data, attack_list, options, data, missing_data, attacks, er
             + "; nothing was written"
         )
     for a, why in missing.items():
-        if a in ("canary", "pii") and a in attack_list and len(missing) < len(attack_list):
-            log.info("%s skipped: %s (%s)", a, why, data)  # the default list on own data
+        if quiet and len(missing) < len(attack_list):  # the default list on the user's data
+            log.info("%s skipped: %s (%s)", a, why, data)
         else:
             log.warning("%s skipped: %s (%s)", a, why, data)
 
