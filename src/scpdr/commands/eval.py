@@ -241,7 +241,8 @@ def eval_(
     store = ModelStore()  # every model loads once, whatever the m
     scorers = load_scorers(bundle, method_list, m=main_m, reference=reference, store=store)
     report = run_eval(scorers, eval_data, attack_list, options=options)
-    rows = _tag_m(report.rows, main_m, sweep=False)
+    sweeping = ms is not None and len(ms) > 1
+    rows = _tag_m(report.rows, main_m, sweep=False) if sweeping else list(report.rows)
     timings = list(report.timings)
     smoothed = [n for n in method_list if SPECS[n].smoothed]
     for value in [v for v in ms or [] if v != main_m]:
@@ -291,7 +292,8 @@ def _check_data(
 
 
 def _tag_m(rows: list[Any], m: int, *, sweep: bool) -> list[Any]:
-    """Rows of the smoothed methods carry their ``m``; a sweep point's rows also ``sweep``."""
+    """In an m sweep, rows of the smoothed methods carry their ``m``; a sweep point's rows also
+    ``sweep`` (without a sweep the rows are the pipeline's, as an experiment's stages write)."""
     from dataclasses import replace
 
     out = []
