@@ -78,9 +78,7 @@ def _percentiles(stats: np.ndarray, level: float) -> tuple[float, float]:
     alpha = (1.0 - level) / 2.0
     lo, hi = np.quantile(stats, [alpha, 1.0 - alpha])
     # interpolation can step outside the replicates by one ulp (all-equal replicates)
-    return float(np.clip(lo, stats.min(), stats.max())), float(
-        np.clip(hi, stats.min(), stats.max())
-    )
+    return float(np.clip(lo, stats.min(), stats.max())), float(np.clip(hi, stats.min(), stats.max()))
 
 
 def bootstrap_ci(
