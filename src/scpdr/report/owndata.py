@@ -188,14 +188,14 @@ def method_paragraph(
             "kl": "KL divergence",
         }.get(str(spec.kx_divergence), str(spec.kx_divergence))
         smooth = (
-            f" after smoothing every constituent towards the base model except its m = {m} most "
-            "informative tokens"
+            f", on the constituents smoothed towards the base model but for their m = {m} "
+            "most informative tokens"
             if spec.smoothed and m is not None
             else ""
         )
         parts.append(
             f"Certificate: at every generated token the answer's next-token distribution is "
-            f"within k_x ({div}) of that of a constituent that never saw the record{smooth}, "
+            f"within k_x ({div}{smooth}) of that of a constituent that never saw the record, "
             "and t_x bounds how much more likely the token is than under such a constituent "
             "(a membership test's per-token advantage). A whole response is certified by the "
             "sum of its tokens' charges (docs/certificate.md)."
