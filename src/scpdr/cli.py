@@ -40,6 +40,7 @@ _COMMANDS: list[tuple[str, str, str]] = [
     ("eval", "eval_", "eval"),
     ("bounds", "bounds", "bounds"),
     ("bundle", "bundle", "bundle"),
+    ("export", "export", "export"),
     ("serve", "serve", "serve"),
     ("prop_bounds", "prop_bounds", "prop-bounds"),
 ]

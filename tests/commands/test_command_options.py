@@ -37,6 +37,7 @@ NOT_TRAINING = {
     "base",
     "n_train",
     "n_val",
+    "val_fraction",
     "split",
     "seed",
     "canaries",
@@ -118,6 +119,9 @@ def test_train_and_partition_share_the_field_mapping_options():
         "--prompt-field",
         "--response-field",
         "--id-field",
+        "--messages-field",
+        "--secrets-field",
+        "--group-field",
     ]
 
 

@@ -224,6 +224,15 @@ class BundleScorers(Mapping[str, Scorer]):
             self._refs["q"] = self._single(self._ref(cons[1])) if len(cons) > 1 else None
         return self._refs["q"]
 
+    @property
+    def base(self) -> Scorer | None:
+        """The bundle's base model alone (the reference of the ``ref`` membership score), or
+        None for a bundle without a base model."""
+        if "base" not in self._refs:
+            base = self.manifest.base
+            self._refs["base"] = self._single(self._ref(base)) if base else None
+        return self._refs["base"]
+
     def reference_of(self, name: str) -> Scorer | None:
         """LiRA's reference scorer for method ``name`` (trained without the members).
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from scpdr.attacks.exposure import Canary, CanarySpace
 from scpdr.attacks.pii import PIIRecord
+from scpdr.attacks.secrets import SecretTarget, secret_targets
 from scpdr.errors import ConfigError
 
 __all__ = ["EvalData", "select"]
@@ -64,6 +65,8 @@ class EvalData:
             its response given its prompt, the paper's r(y|x)); None = ``train`` / ``validation``.
         records: the target partition's records (canary copies left out): the prompts of the
             side-by-side generations.
+        secrets / secrets_val: the declared secrets of the target partition's / the validation
+            records (:mod:`scpdr.attacks.secrets`).
     """
 
     corpus: str = "data"
@@ -76,6 +79,8 @@ class EvalData:
     members: list[Any] | None = None
     nonmembers: list[Any] | None = None
     records: list[Any] = field(default_factory=list)
+    secrets: list[SecretTarget] = field(default_factory=list)
+    secrets_val: list[SecretTarget] = field(default_factory=list)
 
     @staticmethod
     def pii_records(records: Sequence[Any]) -> list[PIIRecord]:
@@ -131,6 +136,8 @@ class EvalData:
             members=list(part),
             nonmembers=list(pset.validation),
             records=list(part),
+            secrets=secret_targets(part, partition=target),
+            secrets_val=secret_targets(pset.validation),
         )
         if reg is not None:
             words = load_wordlist()

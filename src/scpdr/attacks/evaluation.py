@@ -38,7 +38,9 @@ from scpdr.attacks.exposure import canary_exposure
 from scpdr.attacks.lira import LiRAResult, lira
 from scpdr.attacks.pii import pii_extraction
 from scpdr.attacks.results import NO_CP_VAL, ResultRow
+from scpdr.attacks.risk import record_ref_scores
 from scpdr.attacks.scorer import Scorer
+from scpdr.attacks.secrets import SecretsResult, secret_extraction
 from scpdr.attacks.tte import token_by_token_extraction
 from scpdr.attacks.utility import utility
 from scpdr.errors import ConfigError
@@ -65,7 +67,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: The attacks of the pipeline (each yields result rows).
-ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility")
+ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility", "secrets")
 
 # ------------------------------------------------------------------------------------ options
 
@@ -90,6 +92,8 @@ class EvalOptions:
     lira_max_tokens: int | None = 256
     utility_n: int | None = None
     utility_max_tokens: int | None = 256
+    secrets_n: int | None = None
+    secrets_val_n: int | None = None
     seed: int = 0
 
 
@@ -100,6 +104,7 @@ class EvalReport:
     rows: list[ResultRow] = field(default_factory=list)
     timings: list[dict[str, Any]] = field(default_factory=list)
     lira: dict[str, LiRAResult] = field(default_factory=dict)
+    secrets: dict[str, SecretsResult] = field(default_factory=dict)
 
     def roc_curves(self) -> dict[str, dict[str, Any]]:
         """``{method: {"fpr", "tpr", "auc"}}`` (``scpdr.report.ReportInputs.roc`` for one corpus)."""
@@ -159,6 +164,11 @@ def _examples(data: EvalData, opts: EvalOptions) -> dict[str, tuple[list[Any], A
             None,
             "no validation texts",
         ),
+        "secrets": (
+            select(data.secrets, opts.secrets_n, seed=seed, salt="secrets"),
+            select(data.secrets_val, opts.secrets_val_n, seed=seed, salt="secrets-val"),
+            "no declared secrets in the data (--secrets-field, --secret-pattern)",
+        ),
     }
 
 
@@ -205,17 +215,22 @@ def run_eval(
     options: EvalOptions | None = None,
     reference: Callable[[str], Scorer | None] | Mapping[str, Scorer] | None = None,
     q_scorer: Scorer | None = None,
+    base_scorer: Scorer | None = None,
 ) -> EvalReport:
     """Run ``attacks`` (names of :data:`ATTACKS`) on every scorer; rows are named by the keys of
     ``scorers``. ``reference(method)`` (or a mapping) gives LiRA's reference scorer for a method
-    (trained without the members); ``q_scorer`` enables TTE's "q fails" rows. For a
-    :class:`BundleScorers` both default to its own (:meth:`BundleScorers.reference_of`, ``q``).
+    (trained without the members); ``q_scorer`` enables TTE's "q fails" rows; ``base_scorer``
+    (the base model alone) gives the secrets attack each record's ``ref`` score. For a
+    :class:`BundleScorers` they default to its own (:meth:`BundleScorers.reference_of`, ``q``,
+    ``base``).
     An attack without its data (:func:`missing_data`) is skipped with a log line."""
     opts = options or EvalOptions()
     check_attacks(attacks)
     if isinstance(scorers, BundleScorers):
         reference = reference if reference is not None else scorers.reference_of
         q_scorer = q_scorer if q_scorer is not None else (scorers.q if opts.tte_q_fails else None)
+        if base_scorer is None and "secrets" in attacks:
+            base_scorer = scorers.base
     ref_of: Callable[[str], Scorer | None]
     if reference is None:
         ref_of = lambda _m: None  # noqa: E731
@@ -274,8 +289,32 @@ def run_eval(
         res = utility(scorer, val, max_tokens=opts.utility_max_tokens, batch_size=opts.batch_size)
         return res.rows(method=name, corpus=corpus)
 
+    ref_cache: dict = {}  # the base model's log-probs, shared by the methods
+
+    def secrets_rows(scorer: Scorer, targets: list[Any], name: str) -> list[ResultRow]:
+        res = secret_extraction(scorer, targets, batch_size=opts.batch_size)
+        if name != NO_CP_VAL:  # the per-record risk report (attacks/risk.py)
+            if base_scorer is not None:
+                texts = {t.record: t.text for t in targets}
+                res.ref = record_ref_scores(
+                    scorer,
+                    base_scorer,
+                    texts,
+                    batch_size=opts.batch_size,
+                    max_tokens=opts.lira_max_tokens,
+                    cache=ref_cache,
+                )
+            rep.secrets[name] = res
+        return res.rows(method=name, corpus=corpus, seed=opts.seed)
+
     examples_of = _examples(data, opts)
-    rows_of = {"canary": canary_rows, "pii": pii_rows, "tte": tte_rows, "utility": utility_rows}
+    rows_of = {
+        "canary": canary_rows,
+        "pii": pii_rows,
+        "tte": tte_rows,
+        "utility": utility_rows,
+        "secrets": secrets_rows,
+    }
 
     for method, scorer in scorers.items():
         for attack in attacks:

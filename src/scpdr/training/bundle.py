@@ -81,10 +81,11 @@ def train_bundle(
             raise ConfigError(f"partition {i} is empty; use fewer partitions or more data")
         logger.info("training constituent %d/%d on %d records", i + 1, pset.k, len(part))
         refs.append(
+            # the config as given: finetune sizes what it leaves unset to the partition
             finetune(
                 part,
                 base=base,
-                config=cfg,
+                config=config,
                 out=out / f"constituent-{i}",
                 callbacks=callbacks,
                 device=device,

@@ -34,6 +34,7 @@ from scpdr.training.placement import (
     select_device,
     training_device,
 )
+from scpdr.training.plan import example_lengths, fit_to_data
 from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,6 +94,8 @@ def finetune(
         base: ``"embedded"``, a model directory (HF or anything :func:`scpdr.models.load_model`
             reads), or a ``(model, tokenizer)`` pair (copied, never modified).
         config: a :class:`TrainConfig` (or its dict); default: the paper's full fine-tuning.
+            Fields left unset (packing, batch size, warm-up) are sized to the records
+            (:func:`~scpdr.training.plan.fit_to_data`); the plan is in ``train_info.json``.
         out: the output directory: model safetensors (or a PEFT adapter for LoRA), tokenizer,
             and ``train_info.json`` (config, seeds, losses, time, data hash).
         overwrite: replace an existing ``out`` trained with different settings.
@@ -143,6 +146,11 @@ def finetune(
     model, tok, base_ref = _load_base(base)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    # sizing to the data (training/plan.py): packing, batch and warm-up the caller left unset
+    cfg, plan = fit_to_data(config, example_lengths(records, tok), name=out.name)
+    logger.debug("plan of %s:\n%s", out, plan.summary())
+    for warning in plan.warnings():
+        logger.warning("%s: %s", out.name, warning)
     rows = build_sequences(
         records,
         tok,
@@ -188,7 +196,7 @@ def finetune(
         logging_steps=cfg.logging_steps,
         logging_first_step=True,
         report_to="none",
-        disable_tqdm=not cfg.progress,
+        disable_tqdm=True,  # a rich bar per constituent instead (training/progress.py)
         bf16=cfg.bf16,
         activation_checkpointing=cfg.gradient_checkpointing,
         use_cpu=dev == "cpu",
@@ -206,10 +214,16 @@ def finetune(
         callbacks=list(callbacks),
     )
     trainer.add_callback(_skip_final_checkpoint())
-    if not cfg.progress:  # the Trainer then prints logs to stdout; log them instead
-        from transformers.trainer_callback import PrinterCallback
+    # the Trainer prints its logs to stdout: a progress bar shows them, or they are logged
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-        trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if cfg.progress:
+        from scpdr.training.progress import progress_callback
+
+        trainer.add_callback(progress_callback(out.name))
+    else:
         trainer.add_callback(_log_callback())
     t0 = time.time()
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
@@ -238,6 +252,7 @@ def finetune(
         info = {
             "fingerprint": fp,
             "config": cfg.model_dump(mode="json"),
+            "plan": plan.to_dict(),
             "base": base_ref,
             "seeds": {"seed": cfg.seed, "data_seed": cfg.seed},
             "data": {
