@@ -31,6 +31,7 @@ from scpdr.experiment.stages import (
     run_tiny_base,
     run_train,
 )
+from scpdr.experiment.stages_budget import run_budget
 from scpdr.experiment.stages_eval import run_attack, run_bounds, run_report
 
 __all__ = ["StageGraph", "matches_stage", "plan", "topological"]
@@ -297,7 +298,7 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
             if attack == "lira":
                 inputs["holdout"] = cfg.references.holdout
             deps: dict[str, Stage] = {"bundle": cs.bundle, "partitions": cs.partitions}
-            if attack == "lira" and cs.ref_bundle is not None:
+            if attack in ("lira", "budget") and cs.ref_bundle is not None:
                 deps["ref_bundle"] = cs.ref_bundle
                 if M.SPECS[method].rule == "none" and cs.reference is not None:  # No CP, baselines
                     deps["reference"] = cs.reference
@@ -308,7 +309,7 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
                     name=f"attack/{corpus.name}/{method}/{attack}",
                     kind="attack",
                     inputs=inputs,
-                    run=run_attack,
+                    run=run_budget if attack == "budget" else run_attack,
                     deps=deps,
                 )
             )

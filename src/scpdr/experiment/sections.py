@@ -24,6 +24,7 @@ __all__ = [
     "AttacksConfig",
     "BaselinesConfig",
     "BoundsConfig",
+    "BudgetAttackConfig",
     "CanaryAttackConfig",
     "CorpusConfig",
     "GenerationsConfig",
@@ -49,7 +50,7 @@ REQUESTABLE_METHODS: tuple[str, ...] = M.AGGREGATE_METHODS
 
 #: The attack names of a corpus: the evaluation pipeline's (``scpdr.attacks.evaluation.ATTACKS``)
 #: and "generations" (greedy continuations side by side, no rows).
-ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility", "generations")
+ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility", "generations", "budget")
 BUILTIN_CORPORA: tuple[str, ...] = ("names2ids", "pycode", "pydocs")
 #: The kinds of stages (``resources:`` keys; :data:`scpdr.experiment.cache.STAGE_VERSIONS`).
 STAGE_KINDS: tuple[str, ...] = ("partitions", "train", "bundle", "attack", "bounds", "report")
@@ -238,6 +239,35 @@ class UtilityAttackConfig(Section):
     n: int | None = Field(None, ge=1, description="validation examples (null: all)")
 
 
+class BudgetAttackConfig(Section):
+    """The budget sweep (attack ``budget``, ``docs/accountant.md``): PII AEL/FER, ``ref``/``lira``
+    TPR@1% FPR, next-token accuracy and tokens per answer, each example one response held to
+    each budget (nats; null = no budget)."""
+
+    budgets: list[float | None] = Field(
+        default_factory=lambda: [1.0, 2.0, 5.0, 10.0, 20.0, None],
+        min_length=1,
+        description="the budgets swept, in nats per example (null: no budget)",
+    )
+    pii_n: int | None = Field(None, ge=1, description="names attacked (null: the partition's)")
+    mia_n: int | None = Field(
+        None, ge=1, description="members and non-members each (null: the holdout / all)"
+    )
+    utility_n: int | None = Field(64, ge=1, description="validation texts echoed (null: all)")
+    answer_n: int | None = Field(32, ge=1, description="greedy answers (validation prompts)")
+    answer_prompt_tokens: int = Field(16, ge=1, description="tokens of each answer's prompt")
+    answer_tokens: int = Field(32, ge=1, description="most tokens of an answer")
+    max_tokens: int | None = Field(128, ge=2, description="tokens of each echoed example")
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, v: list[float | None]) -> list[float | None]:
+        bad = [b for b in v if b is not None and not (b >= 0 and b != float("inf"))]
+        if bad:
+            raise ValueError(f"budgets must be finite numbers of nats >= 0 or null, got {bad}")
+        return list(dict.fromkeys(v))
+
+
 class GenerationsConfig(Section):
     n: int = Field(3, ge=1, description="training prompts shown side by side")
     max_new_tokens: int = Field(24, ge=1, description="tokens generated per prompt")
@@ -255,6 +285,7 @@ class AttacksConfig(Section):
     lira: LiraAttackConfig = Field(default_factory=LiraAttackConfig)
     utility: UtilityAttackConfig = Field(default_factory=UtilityAttackConfig)
     generations: GenerationsConfig = Field(default_factory=GenerationsConfig)
+    budget: BudgetAttackConfig = Field(default_factory=BudgetAttackConfig)
 
 
 class BoundsConfig(Section):

@@ -1,0 +1,96 @@
+"""The stage body of the budget sweep (attack ``budget``, ``docs/accountant.md``): one stage per
+corpus × method runs :func:`scpdr.attacks.budget.budget_sweep` over every budget of
+``attacks.budget.budgets`` (each example one response held to B; the budgets are read off one
+trace per method, so the sweep costs one unbudgeted pass).
+
+Data as the other attack stages draw it: partition 0's PII records and its held-out targets as
+the members (p0, LiRA's reference, was trained without them; all of partition 0 without a
+reference), the validation records as the non-members and the utility texts; the ``ref``
+membership attack's reference is the bundle's base model, ``lira``'s the method's reference
+(:meth:`scpdr.attacks.bundle_scorers.BundleScorers.reference_of`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scpdr.experiment.cache import StageContext
+from scpdr.experiment.sections import GOLDFISH
+from scpdr.experiment.stages import TARGETS_NAME, load_pset
+from scpdr.experiment.stages_eval import MODEL_CACHE_SIZE
+from scpdr.io import atomic_write_json, read_json
+
+__all__ = ["BUDGET_ROWS_NAME", "run_budget"]
+
+#: The rows file of an attack stage (the report stage reads it).
+BUDGET_ROWS_NAME = "rows.json"
+
+
+def run_budget(ctx: StageContext) -> None:
+    """The budget sweep of one method on one corpus; writes ``rows.json``."""
+    import torch
+
+    from scpdr.attacks.budget import BudgetOptions, budget_sweep
+    from scpdr.attacks.eval_data import EvalData, select
+    from scpdr.attacks.evaluation import ModelStore, load_scorers
+    from scpdr.device import model_dtype
+    from scpdr.models import read_bundle
+    from scpdr.runtime import ProtectedLM
+
+    inp = ctx.stage.inputs
+    method, corpus, cfg = inp["method"], inp["corpus"], inp["config"]
+    seed, bs = int(inp["seed"]), int(inp["batch_size"])
+    pset = load_pset(ctx.dep("partitions"))
+    data = EvalData.from_partition_set(pset, target=0, corpus=corpus)
+    members = list(pset.parts[0])
+    reference = None
+    if "ref_bundle" in ctx.deps:
+        holdout = set(read_json(ctx.dep("partitions") / TARGETS_NAME)["holdout"])
+        members = [r for r in members if r.id in holdout]
+        ref_dir = ctx.dep("ref_bundle") / "bundle"
+        ref_manifest = read_bundle(ref_dir)
+        reference = ref_manifest.resolve(ref_dir, ref_manifest.constituents[0])
+    store = ctx.memo.get("models")
+    if store is None:  # the models the attack stages of this process share
+        store = ctx.memo["models"] = ModelStore(capacity=MODEL_CACHE_SIZE)
+    bundle_dir = ctx.dep("bundle") / "bundle"
+    singles = {GOLDFISH: ctx.dep(GOLDFISH) / "model"} if GOLDFISH in ctx.deps else None
+    scorers = load_scorers(
+        bundle_dir,
+        [method],
+        m=int(inp.get("m", ctx.config.m)),
+        reference=reference,
+        singles=singles,
+        store=store,
+        device=ctx.config.device,
+    )
+    refs: dict[str, Any] = {"lira": scorers.reference_of(method)}
+    manifest = scorers.manifest
+    if manifest.base is not None:
+        ref = manifest.resolve(bundle_dir, manifest.base)
+        base = store.model(ref, dtype=model_dtype(scorers.device), device=scorers.device)
+        refs["ref"] = ProtectedLM.from_model(base, scorers.tokenizer)
+    n_mia = cfg.get("mia_n")
+    options = BudgetOptions(
+        budgets=tuple(None if b is None else float(b) for b in cfg["budgets"]),
+        utility_n=None,  # drawn here, with the pipeline's subset rule
+        answer_n=cfg["answer_n"],
+        answer_prompt_tokens=int(cfg["answer_prompt_tokens"]),
+        answer_tokens=int(cfg["answer_tokens"]),
+        max_tokens=cfg.get("max_tokens"),
+        batch_size=bs,
+        seed=seed,
+    )
+    with torch.inference_mode():
+        rows = budget_sweep(
+            scorers[method],
+            method=method,
+            pii=select(data.pii, cfg.get("pii_n"), seed=seed, salt="pii"),
+            validation=select(data.validation, cfg.get("utility_n"), seed=seed, salt="utility"),
+            members=select(members, n_mia, seed=seed, salt="budget-members"),
+            nonmembers=select(list(pset.validation), n_mia, seed=seed, salt="budget-nonmembers"),
+            references=refs,
+            options=options,
+            corpus=corpus,
+        )
+    atomic_write_json(ctx.dir / BUDGET_ROWS_NAME, [r.to_dict() for r in rows])
