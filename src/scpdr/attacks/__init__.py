@@ -29,7 +29,7 @@ from typing import Any
 
 _EXPORTS = {
     "Scorer": "scorer",
-    "LogitsScorer": "scorer",
+    "LogitsScorer": "logits_scorer",
     "ResultRow": "results",
     "save_results": "results",
     "load_results": "results",

@@ -186,9 +186,12 @@ class ExposureResult:
 def _score_logppl(
     scorer: Scorer, prefix_ids: list[int], secret_ids: Sequence[list[int]], *, batch_size: int
 ) -> np.ndarray:
-    """``L = -sum log Pr[secret tokens | prefix, earlier secret tokens]`` for each secret."""
+    """``L = -sum log Pr[secret tokens | prefix, earlier secret tokens]`` for each secret: the
+    prefix is the prompt and the secret its continuation, as ``generate`` would produce it
+    (CP-Fuse's path starts at the prefix's end; the TDE game's protocol, Def. 4.2)."""
     seqs = [prefix_ids + s for s in secret_ids]
-    tls = batched_token_logprobs(scorer, seqs, batch_size=batch_size)
+    prompts = [len(prefix_ids)] * len(seqs)
+    tls = batched_token_logprobs(scorer, seqs, batch_size=batch_size, prompt_lengths=prompts)
     start = len(prefix_ids) - 1  # position t of token_logprobs predicts token t + 1
     return np.array([-float(tl[start:].sum()) for tl in tls], dtype=np.float64)
 
