@@ -5,7 +5,8 @@ bounds stage of ``scpdr experiment``.
 :func:`load_scorers` gives a :class:`BundleScorers`: one ``ProtectedLM`` per method of
 :mod:`scpdr.methods` (its rule, with the base its spec names: Alg. 1's base model 'b' or constant
 vector 'c', paper §5.1), built when first used over models loaded once into a :class:`ModelStore`,
-plus LiRA's reference scorers (Theorems 4.4 and 4.5) and TTE's ``q``.
+plus LiRA's reference scorers (Theorems 4.4 and 4.5), the base model (the ``ref`` attack's
+reference) and TTE's ``q``.
 """
 
 from __future__ import annotations
@@ -185,14 +186,14 @@ class BundleScorers(Mapping[str, Scorer]):
         return [self._model(self._ref(r)) for r in refs]
 
     def _single(self, ref: str) -> Scorer:
-        from scpdr.protected import ProtectedLM
+        from scpdr.runtime import ProtectedLM
 
         return ProtectedLM.from_model(self._model(ref), self.tokenizer)
 
     def _build(self, models: list[Any], name: str) -> Scorer:
         """``name``'s rule over ``models`` with the base its spec names (Alg. 1: SCP smooths
         towards the base model 'b' or the constant vector 'c', paper §5.1)."""
-        from scpdr.protected import ProtectedLM
+        from scpdr.runtime import ProtectedLM
 
         spec = M.SPECS[name]
         if spec.rule == "none":
@@ -210,6 +211,15 @@ class BundleScorers(Mapping[str, Scorer]):
             method=spec.rule,
             m=self.m,
         )
+
+    @property
+    def base(self) -> Scorer | None:
+        """The bundle's base model alone (the ``ref`` attack's reference: it saw none of the
+        fine-tuning data), or None for a bundle without a base model."""
+        if "base" not in self._refs:
+            ref = self.manifest.base
+            self._refs["base"] = self._single(self._ref(ref)) if ref else None
+        return self._refs["base"]
 
     @property
     def q(self) -> Scorer | None:

@@ -32,6 +32,7 @@ import numpy as np
 
 from scpdr.attacks.results import ResultRow, bootstrap_std
 from scpdr.attacks.scorer import Scorer, batched_token_logprobs, encode, scorer_name
+from scpdr.attacks.stats import bootstrap_ci, ci_extra
 from scpdr.errors import ConfigError
 
 __all__ = [
@@ -291,6 +292,7 @@ def exposure_rows(
     row), and ``baseline_exposure_mean`` / ``baseline_exposure_p95`` for the never-inserted
     canaries (``repetitions == 0``; flagged ``baseline: true``, no ``repetitions`` key).
 
+    ``ci_low``/``ci_high``: the 95% percentile-bootstrap interval over canaries.
     ``stderr`` is the bootstrap standard error of the statistic; ``std`` is the spread across
     canaries for the mean and ``stderr * sqrt(n)`` for the percentile (so that ``std / sqrt(n)``
     is the standard error for every row, as the report's STE row reads it). Inserted groups
@@ -314,7 +316,7 @@ def exposure_rows(
             std = float(vals.std(ddof=1)) if vals.size > 1 else 0.0
         else:
             std = se * math.sqrt(vals.size)
-        row_extra = {**row_extra, "stderr": se}
+        row_extra = {**row_extra, "stderr": se, **ci_extra(bootstrap_ci(vals, fn, n_boot=n_boot))}
         base = baseline.get(metric)
         if base is not None:
             row_extra["baseline_value"] = base[0]

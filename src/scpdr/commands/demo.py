@@ -1,5 +1,6 @@
 """``scpdr demo``: ``scpdr experiment configs/demo.yaml --out runs/demo`` — names2ids with
-canaries on the embedded SmolLM2-135M: No CP leaks the IDs, SCP-Δr-b does not."""
+canaries on the embedded SmolLM2-135M: No CP leaks the IDs, SCP-Δr-b does not. Prints the main
+table, a verdict per method, the membership-inference table and the demo's checks."""
 
 from __future__ import annotations
 
@@ -28,8 +29,29 @@ def demo(
     check_out_dir(out)
     result = run_and_print(path, out, force=[], progress=progress)
     console = Console()
+    if not console.is_terminal:  # piped or logged: do not squeeze the tables into 80 columns
+        console = Console(width=200)
+    print_audit(console, result.rows)
     for line in demo_checks(result.rows):
         console.print(line)
+
+
+def print_audit(console: Any, rows: list[dict[str, Any]]) -> None:
+    """The verdict per method and the membership-inference table, under the main table."""
+    from rich.markup import escape
+
+    from scpdr.report import mia_table, to_rich, verdicts
+
+    lines = verdicts(rows)
+    if lines:
+        console.print("[bold]Verdicts[/bold] (95% intervals; see docs/attacks.md)")
+        for line in lines:
+            console.print(f"  • {escape(line)}")
+    table = mia_table(rows)
+    if table is not None:
+        console.print(to_rich(table))
+        for note in table.notes:
+            console.print(f"[dim]{escape(note)}[/dim]")
 
 
 def demo_checks(rows: list[dict[str, Any]]) -> list[str]:

@@ -281,8 +281,6 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
         for attack in attacks:
             if attack == "generations" and method not in cfg.attacks.generations.methods:
                 continue
-            if attack == "lira" and cs.ref_bundle is None:
-                continue
             section = getattr(cfg.attacks, attack).model_dump()
             inputs: dict[str, Any] = {
                 "method": method,
@@ -294,10 +292,10 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
             }
             if M.SPECS[method].smoothed:
                 inputs["m"] = cfg.m
-            if attack == "lira":
+            if attack == "mia" and cs.ref_bundle is not None:
                 inputs["holdout"] = cfg.references.holdout
             deps: dict[str, Stage] = {"bundle": cs.bundle, "partitions": cs.partitions}
-            if attack == "lira" and cs.ref_bundle is not None:
+            if attack == "mia" and cs.ref_bundle is not None:  # LiRA's reference: over p0
                 deps["ref_bundle"] = cs.ref_bundle
                 if M.SPECS[method].rule == "none" and cs.reference is not None:  # No CP, baselines
                     deps["reference"] = cs.reference

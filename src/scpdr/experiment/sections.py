@@ -27,7 +27,7 @@ __all__ = [
     "CorpusConfig",
     "GenerationsConfig",
     "GoldfishConfig",
-    "LiraAttackConfig",
+    "MiaAttackConfig",
     "PIIAttackConfig",
     "PartitionConfig",
     "ReferenceConfig",
@@ -46,13 +46,15 @@ REQUESTABLE_METHODS: tuple[str, ...] = M.AGGREGATE_METHODS
 (GOLDFISH,) = M.BASELINE_METHODS
 
 #: The attack names of a corpus: the evaluation pipeline's (``scpdr.attacks.evaluation.ATTACKS``)
-#: and "generations" (greedy continuations side by side, no rows).
-ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility", "generations")
+#: and "generations" (greedy continuations side by side, no rows). "mia" is the membership-
+#: inference suite (LiRA included); "lira" is accepted as its older name.
+ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "mia", "utility", "generations")
+_ATTACK_ALIASES = {"lira": "mia"}
 BUILTIN_CORPORA: tuple[str, ...] = ("names2ids", "pycode", "pydocs")
 _DEFAULT_ATTACKS: dict[str, tuple[str, ...]] = {
-    "names2ids": ("pii", "tte", "lira", "utility", "generations"),
-    "pycode": ("tte", "lira", "utility", "generations"),
-    "pydocs": ("tte", "lira", "utility", "generations"),
+    "names2ids": ("pii", "tte", "mia", "utility", "generations"),
+    "pycode": ("tte", "mia", "utility", "generations"),
+    "pydocs": ("tte", "mia", "utility", "generations"),
 }
 _DEFAULT_LABELS = {"names2ids": "IDs", "pycode": "Code", "pydocs": "Docs"}
 
@@ -84,8 +86,8 @@ class CorpusConfig(Section):
     )
     attacks: list[str] | None = Field(
         None,
-        description="attacks run on this corpus; default: pii (names2ids only), tte, lira, "
-        "utility, generations, plus canary when canaries are inserted",
+        description="attacks run on this corpus; default: pii (names2ids only), tte, mia, "
+        "utility, generations, plus canary when canaries are inserted ('lira' = 'mia')",
     )
 
     @field_validator("name")
@@ -102,10 +104,10 @@ class CorpusConfig(Section):
     def _attacks(cls, v: list[str] | None) -> list[str] | None:
         if v is None:
             return v
-        bad = [a for a in v if a not in ATTACKS]
+        bad = [a for a in v if a not in ATTACKS and a not in _ATTACK_ALIASES]
         if bad:
             raise ValueError(f"unknown attack(s) {bad}; known: {list(ATTACKS)}")
-        return list(dict.fromkeys(v))
+        return list(dict.fromkeys(_ATTACK_ALIASES.get(a, a) for a in v))
 
     @model_validator(mode="after")
     def _check_source(self) -> CorpusConfig:
@@ -146,7 +148,7 @@ class CorpusConfig(Section):
         if self.attacks is not None:
             return list(self.attacks)
         out = list(
-            _DEFAULT_ATTACKS.get(self.resolved_source, ("tte", "lira", "utility", "generations"))
+            _DEFAULT_ATTACKS.get(self.resolved_source, ("tte", "mia", "utility", "generations"))
         )
         if self.canaries is not None:
             out.insert(0, "canary")
@@ -183,7 +185,9 @@ class ReferenceConfig(Section):
     v_x (Theorem 4.2, r0 = CP(p0, q)) need; the held-out examples are the attack targets."""
 
     enabled: bool | None = Field(
-        None, description="train p0; default: when lira or v_x is requested"
+        None,
+        description="train p0; default: when mia or v_x is requested (without p0, LiRA's "
+        "reference is q alone: Thm 4.4)",
     )
     holdout: int = Field(8, ge=1, description="partition-0 examples left out of p0 (the targets)")
 
@@ -226,8 +230,25 @@ class TTEAttackConfig(Section):
     )
 
 
-class LiraAttackConfig(Section):
-    n: int | None = Field(None, ge=1, description="members/non-members each (default: holdout)")
+class MiaAttackConfig(Section):
+    """The membership-inference suite (``scpdr.attacks.mia``): loss, zlib, Min-K%, Min-K%++, ref
+    (reference: the base model) and LiRA (reference: the method over p0) on the same members
+    and non-members."""
+
+    n: int | None = Field(None, ge=1, description="members and non-members each (null: all)")
+    population: str = Field(
+        "auto",
+        description="'canaries' (membership canaries inserted once vs never: `canaries.members`), "
+        "'records' (partition-0 records vs validation records), 'auto' (canaries when inserted)",
+    )
+    k: float = Field(0.2, gt=0, le=1, description="fraction of lowest tokens Min-K% averages")
+
+    @field_validator("population")
+    @classmethod
+    def _population(cls, v: str) -> str:
+        if v not in ("auto", "canaries", "records"):
+            raise ValueError(f"must be 'auto', 'canaries' or 'records', got {v!r}")
+        return v
 
 
 class UtilityAttackConfig(Section):
@@ -244,11 +265,22 @@ class GenerationsConfig(Section):
 
 
 class AttacksConfig(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        # `mia` was `lira` while LiRA was the only membership attack
+        if isinstance(data, dict) and "lira" in data:
+            data = dict(data)
+            if "mia" in data:
+                raise ValueError("give `attacks.mia` only (`attacks.lira` is its older name)")
+            data["mia"] = data.pop("lira")
+        return data
+
     batch_size: int = Field(16, ge=1, description="sequences per scoring/generation batch")
     canary: CanaryAttackConfig = Field(default_factory=CanaryAttackConfig)
     pii: PIIAttackConfig = Field(default_factory=PIIAttackConfig)
     tte: TTEAttackConfig = Field(default_factory=TTEAttackConfig)
-    lira: LiraAttackConfig = Field(default_factory=LiraAttackConfig)
+    mia: MiaAttackConfig = Field(default_factory=MiaAttackConfig)
     utility: UtilityAttackConfig = Field(default_factory=UtilityAttackConfig)
     generations: GenerationsConfig = Field(default_factory=GenerationsConfig)
 
