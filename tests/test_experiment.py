@@ -158,7 +158,7 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
         ({"sweeps": [{"key": "m", "values": []}]}, "sweeps.0.values: must have at least 1 item"),
         ({"attacks": {"canary": {"n_reference": 10}}}, "attacks.canary.n_reference: must be ≥ 100"),
         ({"references": {"holdout": 0}}, "references.holdout: must be ≥ 1"),
-        ({"references": {"enabled": False}}, "references.enabled: false, but attack 'lira'"),
+        ({"attacks": {"mia": {"population": "names"}}}, "attacks.mia.population: must be 'auto', 'canaries' or 'records'"),
         ({"bounds": {"methods": ["cp-fuse"]}}, "bounds.methods: cp-fuse is stateful"),
     ],
 )
@@ -208,7 +208,7 @@ def test_relative_data_paths_resolve_against_the_config(tmp_path):
     )
     cfg = load_config(cfg_path)
     assert cfg.corpora[0].resolved_source == str((tmp_path / "data" / "mine.jsonl").resolve())
-    assert cfg.corpora[0].resolved_attacks == ["tte", "lira", "utility", "generations"]
+    assert cfg.corpora[0].resolved_attacks == ["tte", "mia", "utility", "generations"]
 
 
 def test_invalid_sweep_value_is_reported_at_planning():
@@ -369,7 +369,7 @@ def test_tiny_experiment_produces_every_column_figure_and_file(tiny_run):
     for key in table.row_keys[:-1]:  # every method row has a value in every column
         row = table.cells[table.row_keys.index(key)]
         assert all(c.value is not None for c in row[1:]), key
-    for name in ("kx_hist", "tx_vx_hist", "exposure_vs_m", "tte_vs_epochs", "lira_roc_names2ids"):
+    for name in ("kx_hist", "tx_vx_hist", "exposure_vs_m", "tte_vs_epochs", "mia_roc_names2ids"):
         assert (res.out / "plots" / f"{name}.png").is_file(), name
     md = res.report_md.read_text()
     assert "Omitted" not in md and "## k_x bounds (99th percentile)" in md

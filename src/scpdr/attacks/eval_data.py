@@ -6,8 +6,8 @@ the one rule that draws a subset of them (:func:`select`).
 ``scpdr eval`` builds an :class:`EvalData` from a partition directory
 (:meth:`EvalData.from_partitions`, the layout of ``scpdr.data.save_partitions``); every attack
 stage of ``scpdr experiment`` builds it from the loaded partition set
-(:meth:`EvalData.from_partition_set`), with LiRA's members restricted to the targets its
-reference model p0 was trained without.
+(:meth:`EvalData.from_partition_set`), with the MIA suite's "records" members set to the targets
+its reference model p0 was trained without.
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ class EvalData:
             and the space their secrets are drawn from.
         members / nonmembers: the "records" population of the MIA suite (texts or records: a
             prompted record is scored on its response given its prompt, the paper's r(y|x));
-            None = ``train`` / ``validation``. ``lira_members``: the members LiRA's reference
-            was trained without (None: all of them).
+            None = ``train`` / ``validation``.
         member_canaries / nonmember_canaries: the "canaries" population: membership canaries
             inserted once / never inserted, as ``(prompt, response)`` pairs;
             ``member_space``: the space they were drawn from (fresh draws are the null).
@@ -101,7 +100,6 @@ class EvalData:
     members: list[Any] | None = None
     nonmembers: list[Any] | None = None
     records: list[Any] = field(default_factory=list)
-    lira_members: list[Any] | None = None
     member_canaries: list[tuple[str, str]] = field(default_factory=list)
     nonmember_canaries: list[tuple[str, str]] = field(default_factory=list)
     member_space: CanarySpace | None = None
@@ -144,11 +142,8 @@ class EvalData:
         mem = select(pool_m, n, seed=seed, salt="mia-members")
         non = select(pool_n, n, seed=seed, salt="mia-non")
         rest = [x for x in pool_n if not any(x is y for y in non)]
-        lira_m = None
-        if self.lira_members is not None:
-            lira_m = [m for m in mem if any(m is x or m == x for x in self.lira_members)]
         null = select(rest, len(mem), seed=seed, salt="mia-null")
-        return MIAPopulation(mem, non, lira_m, null, "records")
+        return MIAPopulation(mem, non, None, null, "records")
 
     @staticmethod
     def pii_records(records: Sequence[Any]) -> list[PIIRecord]:

@@ -74,9 +74,9 @@ def attack_options(
 
 
 def run_attack(ctx: StageContext) -> None:
-    """One attack on one method of one corpus: the data of partition 0 (LiRA's members among the
-    "records" population: the targets p0 was trained without; p0 saw no canary), the scorers of
-    the corpus's bundle, :func:`run_eval`. Writes ``rows.json`` (and ``roc.json`` for the MIA
+    """One attack on one method of one corpus: the data of partition 0 (the MIA suite's "records"
+    members: the targets p0 was trained without; p0 saw no canary), the scorers of the corpus's
+    bundle, :func:`run_eval`. Writes ``rows.json`` (and ``roc.json`` for the MIA
     suite: ``{attack: curve}`` per row name, ``generations.json`` for generations)."""
     import torch
 
@@ -98,7 +98,9 @@ def run_attack(ctx: StageContext) -> None:
         holdout = set(read_json(ctx.dep("partitions") / TARGETS_NAME)["holdout"])
         # Records, not texts: a prompted example is scored on its response given its prompt
         # (the paper's r1(y|x) / r0(y|x); Names2IDs: the ID given "Name: <name>, ID:").
-        data.lira_members = [r for r in pset.parts[0] if r.id in holdout]
+        # The "records" population: the held-out targets (p0 never saw them, so LiRA's
+        # reference is valid for all) vs validation records; p0 never saw a canary either.
+        data.members = [r for r in pset.parts[0] if r.id in holdout]
         reference = _reference_model(ctx.dep("ref_bundle") / "bundle")
     singles = {GOLDFISH: ctx.dep(GOLDFISH) / "model"} if GOLDFISH in ctx.deps else None
     scorers = load_scorers(

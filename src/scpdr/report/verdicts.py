@@ -22,11 +22,12 @@ from scpdr.report.rows import differs, main_rows, ordered_methods, pick, row_val
 
 __all__ = ["EXTRACTION_METRICS", "verdicts"]
 
-#: The extraction columns of the main table a verdict reads: (attack, label, metrics).
-EXTRACTION_METRICS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("canary", "canary exposure", ("exposure_mean", "mean")),
-    ("pii", "PII (ID digits)", ("ael",)),
-    ("tte", "TTE", ("acc",)),
+#: The extraction columns of the main table a verdict reads: (attack, label, [(metric label,
+#: accepted metric names)]); an attack leaks when any of its metrics is above No CP-val's.
+EXTRACTION_METRICS: tuple[tuple[str, str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
+    ("canary", "canary exposure", (("mean", ("exposure_mean", "mean")),)),
+    ("pii", "PII", (("FER", ("fer",)), ("AEL", ("ael",)))),
+    ("tte", "TTE", (("ACC", ("acc",)), ("AUC", ("auc",)))),
 )
 
 
@@ -40,20 +41,27 @@ def _interval(r: Any) -> str:
 def _extraction(rows: list[dict[str, Any]], method: str) -> str:
     leaks, chance, unknown = [], [], []
     for attack, label, metrics in EXTRACTION_METRICS:
-        corpora = {r.get("corpus") for r in rows if r.get("attack") == attack}
+        corpora = list(dict.fromkeys(r.get("corpus") for r in rows if r.get("attack") == attack))
         for corpus in corpora:
-            r = pick(rows, method=method, attack=attack, metrics=metrics, corpus=corpus)
-            ref = pick(rows, method=NO_CP_VAL, attack=attack, metrics=metrics, corpus=corpus)
-            if r is None or ref is None:
-                continue
-            d = differs(r, ref)
             name = label + (f" ({corpus})" if len(corpora) > 1 else "")
-            if d is None:
-                unknown.append(name)
-            elif d and (row_value(r) or 0.0) > (row_value(ref) or 0.0):
-                leaks.append(f"{name} {_interval(r)} vs {format_value(row_value(ref))}")
-            else:
+            found, tests = [], []
+            for mlabel, names in metrics:
+                r = pick(rows, method=method, attack=attack, metrics=names, corpus=corpus)
+                ref = pick(rows, method=NO_CP_VAL, attack=attack, metrics=names, corpus=corpus)
+                if r is None or ref is None:
+                    continue
+                d = differs(r, ref)
+                tests.append(d)
+                if d and (row_value(r) or 0.0) > (row_value(ref) or 0.0):
+                    found.append(
+                        f"{name} {mlabel} {_interval(r)} vs {format_value(row_value(ref))}"
+                    )
+            if found:
+                leaks.append(found[0])
+            elif tests and all(d is False or d is True for d in tests):
                 chance.append(name)
+            elif tests:
+                unknown.append(name)
     parts = []
     if leaks:
         parts.append("above chance on " + "; ".join(leaks))
