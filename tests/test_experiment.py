@@ -534,6 +534,16 @@ def test_demo_checks_on_hand_made_rows():
     assert lines[0].startswith("[green]✓") and "75%" in lines[0]
     assert lines[1].startswith("[green]✓") and "0%" in lines[1]  # the sweep row is ignored
     assert lines[2].startswith("[red]✗")  # 0.03 apart
+    # CP-Fuse is CP-ΔKL at a fresh request's first step: their TTE within .05
+    tte = [
+        {"method": m, "attack": "tte", "metric": k, "value": v}
+        for m, auc, acc in (("cp-fuse", 0.90, 0.70), ("cp-kl", 0.93, 0.74))
+        for k, v in (("auc", auc), ("acc", acc))
+    ]
+    lines = demo_checks(rows + tte)
+    assert len(lines) == 4 and lines[2].startswith("[green]✓") and "CP-Fuse" in lines[2]
+    tte[1]["value"] = 0.80  # CP-Fuse's ACC .10 below: the whole-prefix protocol's symptom
+    assert demo_checks(rows + tte)[2].startswith("[red]✗")
 
 
 def test_missing_base_model_is_a_clear_error(tmp_path):

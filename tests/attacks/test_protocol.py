@@ -116,3 +116,16 @@ def test_lira_and_the_mia_suite_read_fresh_requests(fuse):
     assert np.abs(res.scores - old.scores).max() > 1e-3
     mia = membership_inference(lm, members, non, reference=ref, base=ref)
     np.testing.assert_allclose(mia.scores.members["lira"], res.scores[:1], rtol=1e-6)
+
+
+def test_a_continuation_is_scored_as_generate_produced_it(fuse):
+    """Canary exposure's protocol: the prompt's tokens, then its continuation on CP-Fuse's path —
+    exactly the log-probs ``generate`` returned for the tokens it produced."""
+    lm = fuse[FUSE]
+    prompt = "The secret words are:"
+    (gen,) = lm.generate([prompt], max_new_tokens=6, temperature=0.0)
+    p_ids = encode(lm.tokenizer, prompt)
+    (cont,) = batched_token_logprobs(lm, [p_ids + gen.token_ids], prompt_lengths=[len(p_ids)])
+    np.testing.assert_allclose(cont[len(p_ids) - 1 :].numpy(), gen.logprobs, rtol=1e-4, atol=1e-4)
+    (fresh,) = batched_token_logprobs(lm, [p_ids + gen.token_ids])
+    assert np.abs(fresh[len(p_ids) :].numpy() - gen.logprobs[1:]).max() > 1e-3

@@ -56,8 +56,10 @@ def print_audit(console: Any, rows: list[dict[str, Any]]) -> None:
 
 def demo_checks(rows: list[dict[str, Any]]) -> list[str]:
     """The demo's claims, checked on its rows: No CP extracts ≥ half of the IDs in full,
-    SCP-Δr-b ≤ 5%, and SCP-Δr-b's next-token accuracy is within 0.02 of No CP's."""
-    from scpdr.methods import canonical
+    SCP-Δr-b ≤ 5%, CP-Fuse's TTE AUC and ACC are within 0.05 of CP-ΔKL's (the TDE game's
+    protocol: CP-Fuse is CP-ΔKL at a fresh request's first step, §5.3), and SCP-Δr-b's
+    next-token accuracy is within 0.02 of No CP's."""
+    from scpdr.methods import SPECS, canonical
 
     def value(method: str, attack: str, metrics: tuple[str, ...]) -> float | None:
         for r in rows:
@@ -88,6 +90,17 @@ def demo_checks(rows: list[dict[str, Any]]) -> list[str]:
         )
     if fer_scp is not None:
         checks.append(line(fer_scp <= 0.05, f"SCP-Δr-b extracts {fer_scp:.0%} (≤ 5%)"))
+    fuse, kl = (next(n for n, sp in SPECS.items() if sp.rule == r) for r in ("cp-fuse", "cp-kl"))
+    tte = {m: [value(m, "tte", (x,)) for x in ("auc", "acc")] for m in (fuse, kl)}
+    if all(v is not None for vals in tte.values() for v in vals):
+        gap = max(abs(a - b) for a, b in zip(tte[fuse], tte[kl], strict=True))  # type: ignore[operator]
+        checks.append(
+            line(
+                gap <= 0.05,
+                f"CP-Fuse's TTE AUC/ACC {tte[fuse][0]:.2f}/{tte[fuse][1]:.2f} within 0.05 of "
+                f"CP-ΔKL's {tte[kl][0]:.2f}/{tte[kl][1]:.2f} (each prefix a fresh request: §5.3)",
+            )
+        )
     if acc_none is not None and acc_scp is not None:
         d = acc_scp - acc_none
         checks.append(
