@@ -27,8 +27,35 @@ def test_members_are_packed_and_round_trip(tmp_path):
 
 def test_packed_members_go_to_the_canary_partition():
     corpus = names2ids(n_train=8, n_val=2, seed=0)
-    reg = make_canaries(CanaryConfig(n_per_repetition=1, repetitions=(1,), members=4, member_pack=2))
+    reg = make_canaries(
+        CanaryConfig(n_per_repetition=1, repetitions=(1,), members=4, member_pack=2)
+    )
     pset = partition_records(corpus.train, k=2, seed=0, canaries=reg, validation=corpus.validation)
     ids = {r.id for r in pset.parts[reg.partition]}
     assert {r.id for r in reg.records()} <= ids
     assert not {r.id for r in reg.records()} & {r.id for r in pset.parts[1]}
+
+
+def test_the_evaluation_data_reads_the_membership_canaries(tmp_path):
+    from scpdr.attacks.eval_data import EvalData
+    from scpdr.data import save_partitions
+
+    corpus = names2ids(n_train=8, n_val=2, seed=0)
+    reg = make_canaries(
+        CanaryConfig(n_per_repetition=1, repetitions=(2,), members=5, member_pack=2)
+    )
+    pset = partition_records(
+        corpus.train,
+        k=2,
+        seed=0,
+        canaries=reg,
+        validation=corpus.validation,
+        dataset={"name": "names2ids"},
+    )
+    data = EvalData.from_partitions(save_partitions(tmp_path / "parts", pset))
+    assert data.member_canaries == [(c.prompt, c.response) for c in reg.members]
+    assert data.nonmember_canaries == [(c.prompt, c.response) for c in reg.nonmembers]
+    assert data.member_space is not None and data.member_space.n_words == 2
+    assert not any(t.startswith(MEMBER_PREFIX) for t in data.train)  # packed records left out
+    pop = data.mia_population()
+    assert pop.name == "canaries" and len(pop.members) == 5 and len(pop.null) == 5
