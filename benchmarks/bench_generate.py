@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from scpdr import models, testing
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
 
     n_new = args.new_tokens or (8 if args.quick else 32)
     repeats = args.repeats or (2 if args.quick else 5)

@@ -84,7 +84,7 @@ def gemm_case(lib_path: Path, copies: int, repeats: int) -> dict[str, float]:
 def gemm_tiles(target: str, isa: str, tiles: bool, copies: int, repeats: int) -> dict:
     from scpdr.kernels import build
 
-    source = (Path(build.__file__).parent / "packed_gemm.c").read_bytes()
+    source = build.kernel_source("packed_gemm")
     compiler = os.environ.get("CC") or "cc"
     out = {}
     alternatives = TILES.get(isa, [])[1:] if tiles else []

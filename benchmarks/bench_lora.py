@@ -75,7 +75,7 @@ CHILD_TOKENS = 16
 def build_bundle(root: Path, base, *, rank: int, alpha: float, k: int = 2) -> Path:
     """``root/adapter-<i>`` (random LoRA over the embedded base) and a bundle in ``root``."""
     from scpdr import models
-    from scpdr.lora_fast import save_random_lora
+    from scpdr.lora import save_random_lora
 
     base_dir = models.base_model_dir()
     refs = [
@@ -127,7 +127,7 @@ def child(kind: str, bundle: str, n_new: int) -> int:
     import torch
 
     from scpdr import models
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
 
     if kind == "single":
         model, tok = models.load_base()
@@ -142,8 +142,8 @@ def child(kind: str, bundle: str, n_new: int) -> int:
             )
     else:
         lm = ProtectedLM.from_bundle(bundle)
-        if lm._stacked is None:
-            raise RuntimeError("the LoRA fast path did not engage")
+        if not lm.fast_path.on:
+            raise RuntimeError(f"the LoRA fast path did not engage ({lm.fast_path.reason})")
         lm.generate(PROMPTS[:1], max_new_tokens=n_new, stop_at_eos=False)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     hwm = None
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from scpdr import kernels, models
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
 
     targets = ["native", *(args.targets if args.targets is not None else default_targets())]
     clock = args.clock or ("cpu" if threads == 1 else "wall")
@@ -238,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         suffix = "" if target == "native" else f"[{target}]"
         with kernels.using_target(target):
             fast = ProtectedLM.from_bundle(bundle)
-        stack = fast._stacked  # (the lead: lm.fast_path once the runtime exposes it)
-        if stack is None:
-            raise RuntimeError("the LoRA fast path did not engage on the benchmark bundle")
+        if not fast.fast_path.on:
+            raise RuntimeError(
+                f"the LoRA fast path did not engage on the benchmark bundle ({fast.fast_path})"
+            )
+        stack = fast.runner  # the shared-base runner (scpdr.lora.StackedLoRA)
         lms[f"scp-delta-r-b{suffix}"] = (target, fast)
         # one model through the same packed kernels as the fast path: the stack's base group
         if any(getattr(mod, "weight_packed", None) is not None for mod in stack.model.modules()):

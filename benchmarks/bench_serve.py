@@ -109,7 +109,7 @@ def _round(lm: Any, *, max_batch: int, requests: int, max_tokens: int) -> dict[s
 
 
 def _tiny_lm(tmp: Path) -> Any:
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
     from scpdr.testing import make_tiny_bundle
 
     return ProtectedLM.from_bundle(make_tiny_bundle(tmp / "bundle"))
@@ -117,7 +117,7 @@ def _tiny_lm(tmp: Path) -> Any:
 
 def _embedded_lm() -> Any:
     from scpdr.models import load_base
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
     from scpdr.testing import perturbed_copy
 
     base, tok = load_base()
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         if args.bundle is not None:
-            from scpdr.protected import ProtectedLM
+            from scpdr.runtime import ProtectedLM
 
             lm, model = ProtectedLM.from_bundle(args.bundle), str(args.bundle)
         elif args.quick:

@@ -124,7 +124,10 @@ def test_missing_data_names_each_attack_without_data(parts_without_canaries):
     from scpdr.attacks.evaluation import ATTACKS, EvalData, missing_data
 
     data = EvalData.from_partitions(parts_without_canaries)
-    assert missing_data(data, ATTACKS) == {"canary": "no canaries in the data"}
+    assert missing_data(data, ATTACKS) == {
+        "canary": "no canaries in the data",
+        "secrets": "no declared secrets in the data (--secrets-field, --secret-pattern)",
+    }
     assert set(missing_data(EvalData(), ATTACKS)) == set(ATTACKS)
 
 

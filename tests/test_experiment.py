@@ -415,9 +415,14 @@ def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tm
     """One evaluation pipeline: ``scpdr eval`` on the experiment's own bundle and partitions,
     with the experiment's settings (LiRA: its targets as members, its p0 as reference), gives
     exactly the rows of the experiment's attack stages."""
-    from scpdr.attacks.evaluation import ATTACKS, smoothing_method
+    from scpdr.attacks.evaluation import ATTACKS as PIPELINE_ATTACKS
+    from scpdr.attacks.evaluation import smoothing_method
     from scpdr.attacks.mia import MIA_ATTACKS
     from scpdr.attacks.results import NO_CP_VAL
+    from scpdr.experiment.sections import ATTACKS as EXPERIMENT_ATTACKS
+
+    # the attacks an experiment runs (the own-data "secrets" attack is scpdr eval's only)
+    ATTACKS = [a for a in PIPELINE_ATTACKS if a in EXPERIMENT_ATTACKS]
     from scpdr.cli import main
     from scpdr.data import load_partitions, save_records
     from scpdr.experiment import StageCache

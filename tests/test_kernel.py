@@ -311,7 +311,7 @@ def test_the_avx2_packed_gemm_is_correct(fresh):
 def test_the_packed_gemm_builds_is_cached_and_falls_back(fresh, monkeypatch, caplog):
     """packed_gemm.c builds into its own cached library; with no compiler the LoRA fast path
     keeps torch's matmuls after one warning."""
-    from scpdr import lora_fast, testing
+    from scpdr import lora, testing
 
     assert gemm.library() is not None
     built = sorted(fresh.glob("packed_gemm-*.so"))
@@ -325,7 +325,7 @@ def test_the_packed_gemm_builds_is_cached_and_falls_back(fresh, monkeypatch, cap
     name = "model.layers.0.self_attn.q_proj"
     adapter = testing.random_lora_adapter(model, name, rank=2)
     with caplog.at_level(logging.WARNING, logger="scpdr.kernels"):
-        stack = lora_fast.StackedLoRA(model, [adapter, None], ["a", "base"])
+        stack = lora.StackedLoRA(model, [adapter, None], ["a", "base"])
     assert "packed CPU matmul kernel is not available" in caplog.text
     assert stack.model.get_submodule(name).weight_packed is None
 
@@ -350,7 +350,7 @@ def test_packed_gemm_without_openmp_builds_single_threaded(fresh, monkeypatch, c
 def test_the_gemm_choice_is_measured_logged_and_remembered(fresh, caplog):
     """choose_gemm times the kernel against torch's layers on the model's shapes at the decode
     row counts (G and 8·G), keeps the faster, logs it once; a forced side is not measured."""
-    from scpdr.lora_layers import choose_gemm
+    from scpdr.lora.layers import choose_gemm
 
     shapes = [(96, 96, 4), (96, 32, 4), (192, 96, 0)]
     with caplog.at_level(logging.INFO, logger="scpdr.kernels"):

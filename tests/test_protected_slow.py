@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scpdr import models
-from scpdr.protected import ProtectedLM
+from scpdr.runtime import ProtectedLM
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +49,12 @@ def test_lora_fast_path_on_the_real_model_equals_the_general_path(base, tmp_path
     lm_head) bundled with the base; SCP-Δr-b through the shared-base fast path (packed C kernel
     where it builds, packed tied embeddings) equals three separate merged models: log-probs of
     a scored batch within 1e-4, the same greedy tokens."""
-    from scpdr import lora_fast
+    from scpdr import lora
     from scpdr.training import LORA_TARGET_MODULES
 
     model, tok = base
     refs = [
-        lora_fast.save_random_lora(
+        lora.save_random_lora(
             model,
             tmp_path / f"a{i}",
             base_ref="embedded",
@@ -69,7 +69,7 @@ def test_lora_fast_path_on_the_real_model_equals_the_general_path(base, tmp_path
     bundle = models.write_bundle(tmp_path / "bundle", base="embedded", constituents=refs)
     fast = ProtectedLM.from_bundle(bundle, method="scp-delta-r", base="model")
     assert fast.fast_path.on, fast.fast_path
-    monkeypatch.setenv(lora_fast.ENV_SWITCH, "0")
+    monkeypatch.setenv(lora.ENV_SWITCH, "0")
     general = ProtectedLM.from_bundle(bundle, method="scp-delta-r", base="model")
     assert not general.fast_path.on and "SCPDR_LORA_FAST=0" in general.fast_path.reason
     prompts = ["The capital of France is", "My favourite colour is blue because"]

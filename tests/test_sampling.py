@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scpdr.runtime.sampling import SamplingParams, make_generator, sample
+from scpdr.runtime.sampling import SamplingParams, make_generator, resolve_sampling, sample
 
 
 def _sample_row_reference(log_r, *, temperature, top_p, top_k, generator):
@@ -130,6 +130,22 @@ def test_sampling_params_normalize_and_per_prompt():
         SamplingParams.per_prompt(3, stop=[None, "x"])
     with pytest.raises(ValueError, match="top_logprobs must be an int >= 0"):
         SamplingParams.per_prompt(3, top_logprobs=-1)
+
+
+def test_generate_keywords_or_sampling_params_not_both():
+    """``generate``'s sampling keywords and ``sampling=`` are two ways to say one thing."""
+    shared = SamplingParams(3, temperature=0.5, seed=1)
+    assert resolve_sampling(2, shared, {}) == [shared, shared]
+    assert resolve_sampling(2, None, {"max_new_tokens": 3, "temperature": 0.5, "seed": 1}) == [
+        shared,
+        shared,
+    ]
+    with pytest.raises(ValueError, match="either as sampling= or as keyword arguments"):
+        resolve_sampling(2, shared, {"max_new_tokens": 3})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument.*max_tokens"):
+        resolve_sampling(2, None, {"max_tokens": 3})  # type: ignore[typeddict-unknown-key]
+    with pytest.raises(ValueError, match="one SamplingParams or one per prompt"):
+        resolve_sampling(2, [shared], {})
 
 
 def test_unseeded_rows_follow_torch_manual_seed():

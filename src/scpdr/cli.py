@@ -40,6 +40,7 @@ _COMMANDS: list[tuple[str, str, str]] = [
     ("eval", "eval_", "eval"),
     ("bounds", "bounds", "bounds"),
     ("bundle", "bundle", "bundle"),
+    ("export", "export", "export"),
     ("serve", "serve", "serve"),
     ("prop_bounds", "prop_bounds", "prop-bounds"),
 ]
@@ -101,14 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             return exc.exit_code
         if isinstance(exc, abort):
             return 1
-        from scpdr.errors import ScpdrError
+        from scpdr.errors import ScpdrError, format_validation_error
 
         if isinstance(exc, (ScpdrError, *_PATH_ERRORS)):
             typer.echo(f"error: {exc}", err=True)
             return 2
         if _is_validation_error(exc):  # a CLI value a settings model rejects (e.g. --threshold 2)
-            from scpdr.commands import format_validation_error
-
             title = getattr(exc, "title", "settings")
             typer.echo(f"error: invalid {title}: {format_validation_error(exc)}", err=True)
             return 2

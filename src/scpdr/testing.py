@@ -74,11 +74,11 @@ HELD_OUT_PROMPTS: list[str] = _held_out_prompts()
 def random_lora_adapter(
     model: PreTrainedModel, module: str, *, rank: int, scale: float = 1.0, seed: int = 0
 ) -> Any:
-    """An in-memory :class:`scpdr.lora_fast.LoraAdapter` over ``model`` adapting the linear
+    """An in-memory :class:`scpdr.lora.LoraAdapter` over ``model`` adapting the linear
     ``module`` with random N(0, 1) A ``(rank, in)`` and B ``(out, rank)``, LoRA scale ``scale``."""
     import torch
 
-    from scpdr.lora_fast import LoraAdapter
+    from scpdr.lora import LoraAdapter
 
     layer = model.get_submodule(module)
     gen = torch.Generator().manual_seed(int(seed))

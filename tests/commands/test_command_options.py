@@ -37,6 +37,7 @@ NOT_TRAINING = {
     "base",
     "n_train",
     "n_val",
+    "val_fraction",
     "split",
     "seed",
     "canaries",
@@ -44,6 +45,7 @@ NOT_TRAINING = {
     "allow_failed_audit",
     "method",
     "m",
+    "device",  # where training runs (scpdr.device), not a TrainConfig field
 }
 TRAIN_FIELDS = [n for n in TrainConfig.model_fields if n != "seed"]
 
@@ -117,6 +119,9 @@ def test_train_and_partition_share_the_field_mapping_options():
         "--prompt-field",
         "--response-field",
         "--id-field",
+        "--messages-field",
+        "--secrets-field",
+        "--group-field",
     ]
 
 

@@ -34,7 +34,7 @@ def serve_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def serve_lm(serve_bundle: Path) -> Any:
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
 
     return ProtectedLM.from_bundle(serve_bundle)
 

@@ -31,7 +31,6 @@ from scpdr.serve.server import PortUnavailableError, bind_socket, check_bundle
         ({"max_batch": 0}, "--max-batch"),
         ({"max_queue": True}, "--max-queue must be a number"),
         ({"batch_wait_s": -1.0}, "--batch-wait"),
-        ({"score_chunk_tokens": 0}, "--score-chunk-tokens"),
     ],
 )
 def test_bad_settings_name_the_option_and_the_field(kw, needle):

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from scpdr.runtime import PromptLogprobs, SamplingParams
 from scpdr.serve.config import ServeConfig
 from scpdr.serve.engine import (
     Engine,
@@ -13,10 +14,9 @@ from scpdr.serve.engine import (
     EngineStoppedError,
     Failed,
     Finished,
-    PromptLogprobs,
     TokenOutput,
 )
-from scpdr.serve.sampling import SamplingParams
+from scpdr.serve.protocol import CompletionRequest
 
 PROMPTS = ["The weather explains", "My friend asks about the meeting", "A small cat"]
 
@@ -124,7 +124,8 @@ def test_stop_finishes_the_running_batch_and_fails_waiting_sequences(serve_lm):
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
-        ({"stop": ["x"]}, "stop"),
+        ({"stop": ("x", "")}, "stop"),
+        ({"stop": 3}, "stop"),
         ({"seed": True}, "seed"),
         ({"logprobs": -2}, "logprobs"),
     ],
@@ -137,7 +138,8 @@ def test_sampling_params_are_validated(kw, field):
 def test_echo_without_logprobs_does_not_score_the_prompt(serve_lm):
     engine = Engine(serve_lm, batch_wait_s=0.0).start()
     try:
-        params = SamplingParams(max_new_tokens=0, echo=True)  # echo of the text alone
+        request = CompletionRequest(prompt=PROMPTS[0], max_tokens=0, echo=True)  # the text alone
+        params = request.to_sampling_params(max_new_tokens=0)
         out = asyncio.run(_run(engine, [(_ids(serve_lm, PROMPTS[0]), params)]))
     finally:
         engine.stop()
@@ -145,10 +147,9 @@ def test_echo_without_logprobs_does_not_score_the_prompt(serve_lm):
 
 
 def test_engine_from_config_takes_the_batching_settings(serve_lm):
-    config = ServeConfig(max_batch=3, max_queue=5, batch_wait_s=0.25, score_chunk_tokens=64)
+    config = ServeConfig(max_batch=3, max_queue=5, batch_wait_s=0.25)
     engine = Engine.from_config(serve_lm, config)
-    assert (engine.max_batch, engine.max_queue) == (3, 5)
-    assert (engine.batch_wait_s, engine.score_chunk_tokens) == (0.25, 64)
+    assert (engine.max_batch, engine.max_queue, engine.batch_wait_s) == (3, 5, 0.25)
 
 
 def test_engine_arguments_are_validated(serve_lm):

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from scpdr.runtime import SamplingParams
 from scpdr.serve import protocol as P
-from scpdr.serve.sampling import SamplingParams
 
 
 @given(st.integers(-(2**63), 2**63 - 1), st.integers(0, P.MAX_N))
@@ -64,6 +64,9 @@ def test_completion_to_sampling_params_fills_openais_defaults():
         echo=True,
     )  # top_k -1 is off; choice j samples with seed + j
     assert P.CompletionRequest(prompt="a", top_k=5).to_sampling_params(max_new_tokens=1).top_k == 5
+    # echo without logprobs returns the prompt's text alone: the runtime scores nothing
+    text_only = P.CompletionRequest(prompt="a", max_tokens=0, echo=True)
+    assert text_only.to_sampling_params(max_new_tokens=0).echo is False
 
 
 def test_chat_to_sampling_params():

@@ -34,15 +34,13 @@ def test_serve_options_map_onto_the_config():
 
     params = inspect.signature(serve).parameters
     options = {
-        decl: p.default
-        for p in params.values()
-        if p.name != "bundle"
-        for decl in p.default.param_decls
+        decl: p for p in params.values() if p.name != "bundle" for decl in p.default.param_decls
     }
     fields = {option_spec(f.name)[0]: f for f in dataclasses.fields(ServeConfig)}
     assert set(options) == set(fields)
-    for decl, opt in options.items():
-        assert opt.default == fields[decl].default, decl
+    for decl, p in options.items():
+        assert p.default.default == fields[decl].default, decl
+        assert p.name == fields[decl].name, decl  # the command passes its parameters by name
 
 
 def test_serve_rejects_bad_arguments(tmp_path, capsys):

@@ -47,17 +47,20 @@ class ModelStore:
         self._models: OrderedDict[tuple[str, Any], Any] = OrderedDict()
         self._tokenizers: dict[str, Any] = {}
 
-    def model(self, ref: str | Path, *, dtype: Any = None) -> Any:
+    def model(self, ref: str | Path, *, dtype: Any = None, device: str | None = None) -> Any:
+        """The model at ``ref`` in ``dtype`` on ``device`` (default: where it loads, the CPU)."""
         import torch
 
         from scpdr.models import load_model
 
-        key = (str(ref), dtype)
+        key = (str(ref), dtype, device)
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
         with torch.inference_mode(False):  # normal tensors, whatever mode the caller is in
             model = load_model(str(ref), dtype=dtype)
+            if device is not None:
+                model = model.to(device)
         model.eval()
         self._models[key] = model
         while self.capacity is not None and len(self._models) > self.capacity:
@@ -135,8 +138,10 @@ class BundleScorers(Mapping[str, Scorer]):
         reference: str | Path | None = None,
         singles: Mapping[str, str | Path] | None = None,
         store: ModelStore | None = None,
+        device: str | None = None,
     ) -> None:
         from scpdr import models
+        from scpdr.device import model_dtype, resolve_device
 
         self.path = Path(path)
         self.singles = {M.resolve(k).name: str(v) for k, v in (singles or {}).items()}
@@ -147,7 +152,8 @@ class BundleScorers(Mapping[str, Scorer]):
         # a base the methods need and the bundle lacks fails before any model loads
         self._base_vector = bundle_bases(self.path, self.manifest, bases)
         self.m = self.manifest.m if m is None else int(m)
-        self._dtype = dtype
+        self.device = resolve_device(device)
+        self._dtype = dtype if dtype is not None else model_dtype(self.device)  # bf16 on CUDA
         self._reference = None if reference is None else str(reference)
         self.store = store if store is not None else ModelStore()
         self.tokenizer = self.store.tokenizer(self._ref(self.manifest.tokenizer))
@@ -177,7 +183,7 @@ class BundleScorers(Mapping[str, Scorer]):
         return self.manifest.resolve(self.path, ref)
 
     def _model(self, ref: str) -> Any:
-        return self.store.model(ref, dtype=self._dtype)
+        return self.store.model(ref, dtype=self._dtype, device=self.device)
 
     def _constituents(self, name: str) -> list[Any]:
         refs = self.manifest.constituents
@@ -264,15 +270,25 @@ def load_scorers(
     reference: str | Path | None = None,
     singles: Mapping[str, str | Path] | None = None,
     store: ModelStore | None = None,
+    device: str | None = None,
 ) -> BundleScorers:
     """The scorers of ``methods`` (result-row names or aliases, :mod:`scpdr.methods`) over the
     bundle at ``path``; each model is loaded once (into ``store``), when first needed.
 
     ``m``: the SCP smoothing level (default: the bundle's). ``reference``: p0 for LiRA
     (:meth:`BundleScorers.reference_of`). ``singles``: training-time baselines evaluated as one
-    model, ``{row name: model dir}``. Raises :class:`~scpdr.methods.UnknownMethodError` for an
+    model, ``{row name: model dir}``. ``device``: cpu, cuda or cuda:N (default: cuda when
+    available; on CUDA the models load in bf16 unless ``dtype`` says otherwise, and the
+    aggregation stays fp32). Raises :class:`~scpdr.methods.UnknownMethodError` for an
     unknown method and :class:`ConfigError` when the bundle lacks a base a method needs — before
     any model loads."""
     return BundleScorers(
-        path, methods, m=m, dtype=dtype, reference=reference, singles=singles, store=store
+        path,
+        methods,
+        m=m,
+        dtype=dtype,
+        reference=reference,
+        singles=singles,
+        store=store,
+        device=device,
     )

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from scpdr.attacks.exposure import Canary, CanarySpace, random_canaries
 from scpdr.attacks.pii import PIIRecord
+from scpdr.attacks.secrets import SecretTarget, secret_targets
 from scpdr.errors import ConfigError
 
 __all__ = ["MIA_POPULATIONS", "EvalData", "MIAPopulation", "select"]
@@ -88,6 +89,8 @@ class EvalData:
             ``member_space``: the space they were drawn from (fresh draws are the null).
         records: the target partition's records (canary copies left out): the prompts of the
             side-by-side generations.
+        secrets / secrets_val: the declared secrets of the target partition's / the validation
+            records (:mod:`scpdr.attacks.secrets`).
     """
 
     corpus: str = "data"
@@ -103,6 +106,8 @@ class EvalData:
     member_canaries: list[tuple[str, str]] = field(default_factory=list)
     nonmember_canaries: list[tuple[str, str]] = field(default_factory=list)
     member_space: CanarySpace | None = None
+    secrets: list[SecretTarget] = field(default_factory=list)
+    secrets_val: list[SecretTarget] = field(default_factory=list)
 
     def mia_population(
         self, kind: str = "auto", n: int | None = None, *, seed: int = 0
@@ -200,6 +205,8 @@ class EvalData:
             members=list(part),
             nonmembers=list(pset.validation),
             records=list(part),
+            secrets=secret_targets(part, partition=target),
+            secrets_val=secret_targets(pset.validation),
         )
         if reg is not None:
             words = load_wordlist()

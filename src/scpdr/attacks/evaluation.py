@@ -47,7 +47,9 @@ from scpdr.attacks.lira import LiRAResult
 from scpdr.attacks.mia import DEFAULT_K, MIAResult, membership_inference
 from scpdr.attacks.pii import pii_extraction
 from scpdr.attacks.results import NO_CP_VAL, ResultRow
+from scpdr.attacks.risk import record_ref_scores
 from scpdr.attacks.scorer import Scorer, scorer_name
+from scpdr.attacks.secrets import SecretsResult, secret_extraction
 from scpdr.attacks.tte import token_by_token_extraction
 from scpdr.attacks.utility import utility
 from scpdr.errors import ConfigError
@@ -75,7 +77,7 @@ log = logging.getLogger(__name__)
 
 #: The attacks of the pipeline (each yields result rows). "mia" is the membership-inference suite
 #: (rows of attacks loss, zlib, min-k, min-k++, ref, lira: :data:`scpdr.attacks.mia.MIA_ATTACKS`).
-ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "mia", "utility")
+ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "mia", "utility", "secrets")
 #: Other names the pipeline accepts: "lira" runs the suite (LiRA is one of its attacks).
 ATTACK_ALIASES: dict[str, str] = {"lira": "mia"}
 
@@ -108,6 +110,8 @@ class EvalOptions:
     mia_k: float = DEFAULT_K
     utility_n: int | None = None
     utility_max_tokens: int | None = 256
+    secrets_n: int | None = None
+    secrets_val_n: int | None = None
     seed: int = 0
 
 
@@ -120,6 +124,7 @@ class EvalReport:
     timings: list[dict[str, Any]] = field(default_factory=list)
     lira: dict[str, LiRAResult] = field(default_factory=dict)
     mia: dict[str, MIAResult] = field(default_factory=dict)
+    secrets: dict[str, SecretsResult] = field(default_factory=dict)
 
     def roc_curves(self) -> dict[str, dict[str, Any]]:
         """``{method: {"fpr", "tpr", "auc"}}`` (``scpdr.report.ReportInputs.roc`` for one corpus)."""
@@ -176,6 +181,11 @@ def _examples(data: EvalData, opts: EvalOptions) -> dict[str, tuple[list[Any], A
             None,
             "no validation texts",
         ),
+        "secrets": (
+            select(data.secrets, opts.secrets_n, seed=seed, salt="secrets"),
+            select(data.secrets_val, opts.secrets_val_n, seed=seed, salt="secrets-val"),
+            "no declared secrets in the data (--secrets-field, --secret-pattern)",
+        ),
     }
 
 
@@ -226,7 +236,8 @@ def run_eval(
     """Run ``attacks`` (names of :data:`ATTACKS`) on every scorer; rows are named by the keys of
     ``scorers``. ``reference(method)`` (or a mapping) gives LiRA's reference scorer for a method
     (trained without the members); ``base`` is the ``ref`` attack's reference (the base model);
-    ``q_scorer`` enables TTE's "q fails" rows. For a :class:`BundleScorers` all three default to
+    ``q_scorer`` enables TTE's "q fails" rows; ``base`` also gives the secrets attack each
+    record's ``ref`` score. For a :class:`BundleScorers` all three default to
     its own (:meth:`BundleScorers.reference_of`, ``base``, ``q``). An attack without its data
     (:func:`missing_data`) is skipped with a log line."""
     opts = options or EvalOptions()
@@ -317,8 +328,30 @@ def run_eval(
         res = utility(scorer, val, max_tokens=opts.utility_max_tokens, batch_size=opts.batch_size)
         return res.rows(method=name, corpus=corpus)
 
+    def secrets_rows(scorer: Scorer, targets: list[Any], name: str) -> list[ResultRow]:
+        res = secret_extraction(scorer, targets, batch_size=opts.batch_size)
+        if name != NO_CP_VAL:  # the per-record risk report (attacks/risk.py)
+            if base is not None:
+                texts = {t.record: t.text for t in targets}
+                res.ref = record_ref_scores(
+                    scorer,
+                    base,
+                    texts,
+                    batch_size=opts.batch_size,
+                    max_tokens=opts.lira_max_tokens,
+                    cache=ref_cache,
+                )
+            rep.secrets[name] = res
+        return res.rows(method=name, corpus=corpus, seed=opts.seed)
+
     examples_of = _examples(data, opts)
-    rows_of = {"canary": canary_rows, "pii": pii_rows, "tte": tte_rows, "utility": utility_rows}
+    rows_of = {
+        "canary": canary_rows,
+        "pii": pii_rows,
+        "tte": tte_rows,
+        "utility": utility_rows,
+        "secrets": secrets_rows,
+    }
 
     for method, scorer in scorers.items():
         for attack in attacks:

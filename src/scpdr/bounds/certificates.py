@@ -29,7 +29,7 @@ from scpdr.bounds.divergences import (
     max_divergence,
     relative_max_divergence,
 )
-from scpdr.naf import _as_float32, _check_logps
+from scpdr.naf import as_float32, check_logps
 
 __all__ = [
     "KX_DIVERGENCE",
@@ -150,7 +150,7 @@ def k_x(
     See :func:`certify`.
     """
     if method == "none":
-        x = _check_logps(logps, "none", min_k=1)
+        x = check_logps(logps, "none", min_k=1)
         if x.shape[0] == 1:
             return torch.full(x.shape[1:-1], math.inf)
     log_r, comps = naf_components(method, logps, base=base, m=m)
@@ -206,10 +206,10 @@ def v_x(
     Returns ``Tensor[*batch]`` at ``y``, or ``Tensor[*batch, V]`` when ``y`` is None.
     """
     _check_method(method, V_X_METHODS, "v_x")
-    x1 = _check_logps(logps, method, min_k=2)
+    x1 = check_logps(logps, method, min_k=2)
     if x1.shape[0] != 2:
         raise ValueError(f"v_x: logps must stack exactly (p_1, q), K = 2; got K = {x1.shape[0]}")
-    x0 = _as_float32(ref_logp, "v_x: ref_logp")
+    x0 = as_float32(ref_logp, "v_x: ref_logp")
     if tuple(x0.shape) != tuple(x1.shape[1:]):
         raise ValueError(
             f"v_x: ref_logp (p_0) must have the shape of one constituent {tuple(x1.shape[1:])}, "

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from scpdr.naf import _as_float32
+from scpdr.naf import as_float32
 
 __all__ = [
     "DIVERGENCES",
@@ -31,7 +31,7 @@ __all__ = [
 
 
 def _lp(x: Tensor, name: str) -> Tensor:
-    return torch.log_softmax(_as_float32(x, name), dim=-1)
+    return torch.log_softmax(as_float32(x, name), dim=-1)
 
 
 def _check_pair(logp: Tensor, logq: Tensor, name: str) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from scpdr import naf
 from scpdr.errors import ConfigError
-from scpdr.naf import _as_float32
+from scpdr.naf import as_float32
 
 __all__ = [
     "expected_sparps",
@@ -90,8 +90,8 @@ def expected_sparps(log_rp_samples: Tensor, log_rq_samples: Tensor, *, m: int, C
         m: tokens allowed to deviate freely (0 <= m < V).
         C: fraction of prompts that must satisfy the bound (0 < C <= 1).
     """
-    a = _as_float32(log_rp_samples, "expected_sparps: log_rp_samples")
-    b = _as_float32(log_rq_samples, "expected_sparps: log_rq_samples")
+    a = as_float32(log_rp_samples, "expected_sparps: log_rp_samples")
+    b = as_float32(log_rq_samples, "expected_sparps: log_rq_samples")
     if a.ndim != 3 or b.ndim != 3 or a.shape[1:] != b.shape[1:]:
         raise ValueError(
             "expected_sparps: samples must be (S, X, V) with the same (X, V) for p and q, got "

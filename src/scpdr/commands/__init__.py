@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scpdr.errors import format_validation_error
-
-__all__ = ["check_m", "check_method", "check_out_dir", "format_validation_error", "split_list"]
+__all__ = ["check_m", "check_method", "check_out_dir", "split_list"]
 
 
 def check_method(method: str, option: str = "--method") -> None:

@@ -12,6 +12,8 @@ from scpdr.commands.options import (
     CANARY_OPTIONS,
     FIELD_OPTIONS,
     GROUPING_OPTIONS,
+    SECRET_OPTIONS,
+    VAL_FRACTION,
     build,
     canary_config,
     with_options,
@@ -30,17 +32,21 @@ def _parse_fields(fields: list[str] | None) -> dict[str, str]:
     return out
 
 
-@with_options(FIELD_OPTIONS, GROUPING_OPTIONS, CANARY_OPTIONS)
+@with_options(FIELD_OPTIONS, SECRET_OPTIONS, GROUPING_OPTIONS, CANARY_OPTIONS)
 def partition(
     *,
     data: str = typer.Argument(
         ...,
-        help="Built-in corpus (names2ids, pycode, pydocs) or a .jsonl/.csv file or dataset dir.",
+        help="Built-in corpus (names2ids, pycode, pydocs), a .jsonl/.csv/.parquet file or a "
+        "datasets dir.",
     ),
     k: int = typer.Option(2, "--k", min=1, help="Number of disjoint partitions (= constituents)."),
     out: Path = typer.Option(..., "--out", help="Output directory (must not exist)."),
     n_train: int | None = typer.Option(None, "--n-train", help="Training examples (all)."),
-    n_val: int | None = typer.Option(None, "--n-val", help="Validation examples held out."),
+    n_val: int | None = typer.Option(
+        None, "--n-val", help="Validation examples held out (instead of --val-fraction)."
+    ),
+    val_fraction: float | None = VAL_FRACTION,
     split: str | None = typer.Option(None, "--split", help="Split of a saved DatasetDict."),
     seed: int = typer.Option(0, "--seed", help="Seed for data generation and assignment."),
     canaries: str = CANARIES,
@@ -51,14 +57,15 @@ def partition(
         help="Field mapping OURS=THEIRS, e.g. --field prompt=question (repeat).",
     ),
     field_options: dict[str, Any],
+    secret_options: dict[str, Any],
     grouping_options: dict[str, Any],
     canary_options: dict[str, Any],
 ) -> None:
-    """Split DATA into --k disjoint partitions (near-duplicates together) and audit them.
+    """Split DATA into --k disjoint partitions (near-duplicates and groups together), audit them.
 
     Writes --out DIR: manifest.json, partition-<i>.jsonl, validation.jsonl, canaries.json.
     """
-    from scpdr.data import prepare_partitions
+    from scpdr.data import DEFAULT_VAL_FRACTION, prepare_partitions
     from scpdr.errors import ConfigError
 
     if out.exists():  # before the (possibly long) grouping, and naming the CLI's fix
@@ -73,10 +80,12 @@ def partition(
         seed=seed,
         n_train=n_train,
         n_val=n_val,
+        val_fraction=DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction,
         fields=build(FIELD_OPTIONS, {**legacy, **field_options}),
         split=split,
         grouping=build(GROUPING_OPTIONS, grouping_options),
         canaries=canary_config(canaries, canary_options),
+        secrets=build(SECRET_OPTIONS, secret_options),
         out=out,
         allow_failed_audit=True,  # written either way; the summary says FAILED
     )

@@ -1,37 +1,103 @@
-"""``scpdr eval BUNDLE --attacks ... --methods ... --out DIR``: run attacks on a bundle's methods.
+"""``scpdr eval BUNDLE --out DIR``: run attacks on a bundle's methods and say what they mean.
 
 Writes ``DIR/results.json`` (result rows ``{"method", "attack", "metric", "value", ...}``),
+``DIR/risk.jsonl`` (one line per secret-bearing training record and method, most at risk under
+No CP first: :mod:`scpdr.attacks.risk`), ``DIR/report.md`` (the tables and paragraphs printed),
 ``DIR/timings.json`` (wall time per method and attack) and, with LiRA, ``DIR/lira_roc.png`` and
-``DIR/roc.json``. The data (target partition, validation set, canaries) comes from ``--data``
-(a partition directory written by ``scpdr partition``/``scpdr train``) or from the bundle's
-manifest (``extra.partitions``, set by ``scpdr train``).
+``DIR/roc.json``. It prints the main table, the records most at risk, the m sweep (``--m
+1,3,10,30``) and one plain-language paragraph per method. The data (target partition,
+validation set, canaries, declared secrets) comes from ``--data`` (a partition directory written
+by ``scpdr partition``/``scpdr train``) or from the bundle's manifest (``extra.partitions``).
+
+With no options the attacks are sized for a CPU run of minutes (:func:`auto_options`), and the
+methods are the main table's when that fits (a GPU, or little data), else No CP and SCP-Δr-b.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from scpdr.methods import MAIN_TABLE_METHODS, SPECS
+from scpdr.device import DEVICE_HELP
+from scpdr.methods import MAIN_TABLE_METHODS, SPECS, STATELESS_RULES
 
 _DEFAULT_METHODS = ",".join(MAIN_TABLE_METHODS)
 _KNOWN_METHODS = ", ".join(n for n, s in SPECS.items() if s.kind == "aggregate")
+_DEFAULT_ATTACKS = "canary,pii,tte,lira,utility,secrets"
+#: The methods of a CPU run whose main table would not fit the budget: No CP (the undefended
+#: constituent 0) and SCP-Δr-b (the paper's method).
+CPU_METHODS: tuple[str, ...] = (
+    MAIN_TABLE_METHODS[0],
+    next(n for n, s in SPECS.items() if s.rule == "scp-delta-r" and s.base == "model"),
+)
+#: Token positions (model forwards x tokens) an automatic CPU evaluation may spend on the whole
+#: main table (~4 min on 2 cores with the 135M base); above it the methods are CPU_METHODS.
+CPU_TOKEN_BUDGET = 150_000
+#: Example counts of an automatic evaluation (``None``: all): (tte, lira, utility).
+AUTO_SIZES = {"tte_n": 32, "lira_n": 64, "utility_n": 64}
+
+
+def _models(method: str) -> int:
+    """The cost of a method's scorer per token, in model forwards (K = 2 constituents, + the
+    base for '-b'; CP-Fuse's stateful fusion measured ~10x that of the stateless rules)."""
+    spec = SPECS[method]
+    if spec.rule == "none":
+        return 1
+    if spec.rule not in STATELESS_RULES:
+        return 20
+    return 3 if spec.base == "model" else 2
+
+
+def auto_methods(eval_data: Any, *, device: str | None = None) -> list[str]:
+    """The main table's methods when a GPU is there or the data is small (the estimated token
+    positions of the whole table within :data:`CPU_TOKEN_BUDGET`), else :data:`CPU_METHODS`."""
+    import torch
+
+    if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
+        return list(MAIN_TABLE_METHODS)
+    n = AUTO_SIZES
+    texts = [t.text for t in eval_data.secrets] + eval_data.train[: n["tte_n"]]
+    texts += eval_data.validation[: n["utility_n"] + n["tte_n"]]
+    texts += [str(getattr(r, "text", r)) for r in (eval_data.members or [])[: n["lira_n"]]]
+    tokens = sum(len(t) for t in texts) // 4  # ~4 characters a token
+    work = tokens * sum(_models(m) + 1 for m in MAIN_TABLE_METHODS)  # + LiRA's reference
+    return list(MAIN_TABLE_METHODS) if work <= CPU_TOKEN_BUDGET else list(CPU_METHODS)
+
+
+def parse_ms(text: str | None) -> list[int] | None:
+    """``--m``: one smoothing level or a comma-separated sweep (``1,3,10,30``)."""
+    from scpdr.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        ms = list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise ConfigError(
+            f"--m expects an integer or a list like 1,3,10,30, got {text!r}"
+        ) from None
+    if not ms or min(ms) < 1:
+        raise ConfigError(f"--m values must be integers >= 1, got {text!r}")
+    return ms
 
 
 def eval_(
     bundle: Path = typer.Argument(..., help="Bundle directory (scpdr.json)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory for results.json."),
     attacks: str = typer.Option(
-        "pii,canary,tte,lira,utility",
+        _DEFAULT_ATTACKS,
         "--attacks",
-        help="Comma-separated: canary, pii, tte, lira, utility.",
+        help="Comma-separated: canary, pii, tte, lira, utility, secrets (those without their "
+        "data are skipped).",
     ),
-    methods: str = typer.Option(
-        _DEFAULT_METHODS,
+    methods: str | None = typer.Option(
+        None,
         "--methods",
         help=f"Comma-separated result-row methods: {_KNOWN_METHODS} (scpdr.methods; "
-        "scp-delta-r = scp-delta-r-b).",
+        "scp-delta-r = scp-delta-r-b). Default: the main table's when it fits (GPU or little "
+        "data), else none,scp-delta-r-b.",
     ),
     data: Path | None = typer.Option(
         None, "--data", help="Partition directory (default: the bundle's extra.partitions)."
@@ -52,8 +118,11 @@ def eval_(
     members: Path | None = typer.Option(
         None, "--members", help="JSONL/CSV records: LiRA members (default: the target partition)."
     ),
-    m: int | None = typer.Option(
-        None, "--m", min=1, help="Smoothing parameter m (default: the bundle's)."
+    m: str | None = typer.Option(
+        None,
+        "--m",
+        help="Smoothing parameter m (default: the bundle's), or a sweep: --m 1,3,10,30 runs the "
+        "smoothed methods at each m (the main table uses the bundle's m, else the first).",
     ),
     n_reference: int = typer.Option(
         10_000,
@@ -62,21 +131,33 @@ def eval_(
         help="Random canary candidates for the exposure extrapolation.",
     ),
     pii_n: int | None = typer.Option(None, "--pii-n", min=1, help="Names attacked (default: all)."),
-    tte_n: int | None = typer.Option(64, "--tte-n", min=1, help="Training examples for TTE."),
+    tte_n: int | None = typer.Option(
+        None, "--tte-n", min=1, help="Training examples for TTE [default: 32]."
+    ),
     q_fails: bool = typer.Option(
         False, "--q-fails", help="Also TTE restricted to tokens q (constituent 1) fails to predict."
     ),
     lira_n: int | None = typer.Option(
-        None, "--lira-n", min=1, help="Members and non-members each."
+        None, "--lira-n", min=1, help="Members and non-members each [default: 64]."
     ),
-    utility_n: int | None = typer.Option(None, "--utility-n", min=1, help="Validation examples."),
+    utility_n: int | None = typer.Option(
+        None, "--utility-n", min=1, help="Validation examples [default: 64]."
+    ),
+    secrets_n: int | None = typer.Option(
+        None, "--secrets-n", min=1, help="Secrets attacked (default: all of the partition)."
+    ),
     max_tokens: int = typer.Option(
-        256, "--max-tokens", min=1, help="Tokens per example (TTE, LiRA, utility)."
+        256, "--max-tokens", min=1, help="Tokens per example (TTE, LiRA, utility, ref)."
     ),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Sequences per scoring batch."),
     seed: int = typer.Option(0, "--seed", help="Seed of the canary reference sample."),
+    device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
 ) -> None:
-    """Run attacks against the methods of a bundle and write DIR/results.json."""
+    """Run attacks against the methods of a bundle, print what they mean, write DIR/results.json.
+
+    Prints the main table, the records most at risk (DIR/risk.jsonl), the m sweep and one
+    paragraph per method on what its certificate covers.
+    """
     import logging
 
     from scpdr.attacks.evaluation import (
@@ -84,30 +165,52 @@ def eval_(
         BUNDLE_METHODS,
         EvalData,
         EvalOptions,
+        ModelStore,
         bundle_data_dir,
         check_attacks,
         load_scorers,
         missing_data,
         run_eval,
     )
-    from scpdr.attacks.lira import plot_roc
-    from scpdr.attacks.results import save_results
     from scpdr.commands import check_m, check_out_dir, split_list
+    from scpdr.device import resolve_device
     from scpdr.errors import ConfigError
-    from scpdr.io import atomic_write_json
     from scpdr.methods import resolve
     from scpdr.models import read_bundle
 
     log = logging.getLogger(__name__)
     check_out_dir(out)
-    attack_list = split_list(attacks, "--attacks", "canary, pii, tte, lira, utility")
+    device = resolve_device(device)  # a bad or missing device fails before any work
+    attack_list = split_list(attacks, "--attacks", ", ".join(ATTACKS))
     check_attacks(attack_list)  # before any model is loaded
-    method_list = split_list(methods, "--methods", _DEFAULT_METHODS.replace(",", ", "))
-    # result-row names (an alias names its row), checked before any model loads
-    method_list = list(dict.fromkeys(resolve(n, allowed=BUNDLE_METHODS).name for n in method_list))
+    method_list = None
+    if methods is not None:
+        method_list = split_list(methods, "--methods", _DEFAULT_METHODS.replace(",", ", "))
+        # result-row names (an alias names its row), checked before any model loads
+        method_list = list(
+            dict.fromkeys(resolve(n, allowed=BUNDLE_METHODS).name for n in method_list)
+        )
     manifest = read_bundle(bundle)
-    check_m(m, manifest.vocab_size)
-    if methods == _DEFAULT_METHODS:  # the defaults: only the variants this bundle can run
+    ms = parse_ms(m)
+    for value in ms or []:
+        check_m(value, manifest.vocab_size)
+    data = bundle_data_dir(bundle, manifest, data)
+    dataset_name = (manifest.extra.get("dataset") or {}).get("name")
+    eval_data = EvalData.from_partitions(data, target=target, corpus=corpus or dataset_name)
+    if members is not None:
+        from scpdr.data import load_records
+
+        eval_data.members = list(load_records(members))  # prompted: the response given the prompt
+    if method_list is None:
+        method_list = auto_methods(eval_data, device=device)
+        if len(method_list) < len(MAIN_TABLE_METHODS):
+            log.info(
+                "methods %s: the main table's %d methods would take too long on this CPU; "
+                "pass --methods %s for all of them",
+                ",".join(method_list),
+                len(MAIN_TABLE_METHODS),
+                _DEFAULT_METHODS,
+            )
         lacks = {"model": manifest.base is None, "constant": manifest.constant_base is None}
         dropped = [n for n in method_list if lacks.get(SPECS[n].base or "", False)]
         if dropped:
@@ -118,32 +221,62 @@ def eval_(
                 ", ".join(dropped),
             )
             method_list = [n for n in method_list if n not in dropped]
-    data = bundle_data_dir(bundle, manifest, data)
-    dataset_name = (manifest.extra.get("dataset") or {}).get("name")
-    eval_data = EvalData.from_partitions(data, target=target, corpus=corpus or dataset_name)
-    if members is not None:
-        from scpdr.data import load_records
-
-        eval_data.members = list(load_records(members))  # prompted: the response given the prompt
+    sizes = {"tte_n": tte_n, "lira_n": lira_n, "utility_n": utility_n}
+    sizes = {k: (AUTO_SIZES[k] if v is None else v) for k, v in sizes.items()}
     options = EvalOptions(
         n_reference=n_reference,
         batch_size=batch_size,
         pii_n=pii_n,
         pii_val_n=pii_n,
-        tte_n=tte_n,
         tte_max_tokens=max_tokens,
         tte_q_fails=q_fails,
-        lira_n=lira_n,
         lira_max_tokens=max_tokens,
-        utility_n=utility_n,
         utility_max_tokens=max_tokens,
+        secrets_n=secrets_n,
+        secrets_val_n=secrets_n,
         seed=seed,
+        **sizes,
     )
-    # before any model loads: an attack without its data is skipped; none left is an error
+    quiet = attacks == _DEFAULT_ATTACKS  # the default list: canary/pii often have no data
+    _check_data(
+        eval_data, attack_list, options, data, missing_data, ATTACKS, ConfigError, log, quiet
+    )
+    main_m = manifest.m if ms is None else (manifest.m if manifest.m in ms else ms[0])
+    store = ModelStore()  # every model loads once, whatever the m
+    scorers = load_scorers(
+        bundle, method_list, m=main_m, reference=reference, store=store, device=device
+    )
+    report = run_eval(scorers, eval_data, attack_list, options=options)
+    sweeping = ms is not None and len(ms) > 1
+    rows = _tag_m(report.rows, main_m, sweep=False) if sweeping else list(report.rows)
+    timings = list(report.timings)
+    smoothed = [n for n in method_list if SPECS[n].smoothed]
+    for value in [v for v in ms or [] if v != main_m]:
+        if not smoothed:
+            log.warning("--m %d: none of the methods is smoothed; nothing to sweep", value)
+            break
+        sweep = load_scorers(
+            bundle, smoothed, m=value, reference=reference, store=store, device=device
+        )
+        point = run_eval(sweep, eval_data, attack_list, options=options)
+        rows += _tag_m([r for r in point.rows if r.method in smoothed], value, sweep=True)
+        timings += [{**t, "m": value} for t in point.timings]
+    if not rows:  # e.g. LiRA alone without a reference model
+        raise ConfigError(
+            f"no result rows: every attack of --attacks {','.join(attack_list)} was skipped "
+            "(the log says why); nothing was written"
+        )
+    _write_and_print(out, rows, timings, report, eval_data, method_list, main_m, ms)
+
+
+def _check_data(
+    eval_data, attack_list, options, data, missing_data, attacks, error, log, quiet
+) -> None:
+    """Before any model loads: an attack without its data is skipped; none left is an error."""
     missing = missing_data(eval_data, attack_list, options)
     if set(missing) == set(attack_list):
-        usable = [a for a in ATTACKS if a not in missing_data(eval_data, ATTACKS, options)]
-        raise ConfigError(
+        usable = [a for a in attacks if a not in missing_data(eval_data, attacks, options)]
+        raise error(
             f"nothing to evaluate: every attack of --attacks lacks its data in {data} ("
             + "; ".join(f"{a}: {why}" for a, why in missing.items())
             + ")"
@@ -160,19 +293,71 @@ def eval_(
             + "; nothing was written"
         )
     for a, why in missing.items():
-        log.warning("%s skipped: %s (%s)", a, why, data)
-    scorers = load_scorers(bundle, method_list, m=m, reference=reference)
-    report = run_eval(scorers, eval_data, attack_list, options=options)
-    if not report.rows:  # e.g. LiRA alone without a reference model
-        raise ConfigError(
-            f"no result rows: every attack of --attacks {','.join(attack_list)} was skipped "
-            "(the log says why); nothing was written"
-        )
+        if quiet and len(missing) < len(attack_list):  # the default list on the user's data
+            log.info("%s skipped: %s (%s)", a, why, data)
+        else:
+            log.warning("%s skipped: %s (%s)", a, why, data)
+
+
+def _tag_m(rows: list[Any], m: int, *, sweep: bool) -> list[Any]:
+    """In an m sweep, rows of the smoothed methods carry their ``m``; a sweep point's rows also
+    ``sweep`` (without a sweep the rows are the pipeline's, as an experiment's stages write)."""
+    from dataclasses import replace
+
+    out = []
+    for r in rows:
+        spec = SPECS.get(r.method)
+        if spec is not None and spec.smoothed:
+            extra = {**r.extra, "m": m, **({"sweep": "m"} if sweep else {})}
+            r = replace(r, extra=extra)
+        out.append(r)
+    return out
+
+
+def _write_and_print(out, rows, timings, report, eval_data, method_list, main_m, ms) -> None:
+    import logging
+
+    from rich.console import Console
+
+    from scpdr.attacks.lira import plot_roc
+    from scpdr.attacks.results import save_results
+    from scpdr.attacks.risk import RISK_FILE, risk_lines, save_risk
+    from scpdr.io import atomic_write_json, atomic_write_text
+    from scpdr.report import main_table, to_markdown, to_rich
+    from scpdr.report.owndata import method_paragraphs, risk_table, sweep_table
+
     out.mkdir(parents=True, exist_ok=True)
-    save_results(report.rows, out / "results.json")
-    atomic_write_json(out / "timings.json", report.timings)
+    save_results(rows, out / "results.json")
+    atomic_write_json(out / "timings.json", timings)
+    lines = risk_lines(report.secrets)
+    save_risk(out / RISK_FILE, lines)
     if report.lira:
         plot_roc(report.lira, out / "lira_roc.png")
         atomic_write_json(out / "roc.json", {eval_data.corpus: report.roc_curves()})
-    log.info("wrote %d result rows to %s", len(report.rows), out / "results.json")
+    tables = [main_table(rows, title=f"Main results ({eval_data.corpus}, m = {main_m})")]
+    if lines:
+        tables.append(risk_table(lines, top=10))
+    if ms is not None and len(ms) > 1:
+        tables.append(sweep_table(rows, ms, default_m=main_m))
+    paragraphs = method_paragraphs(rows, method_list, m=main_m)
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: no wrapping of the wide tables
+        console = Console(width=200)
+    for t in tables:
+        console.print(to_rich(t))
+        for note in t.notes:
+            console.print(note, style="dim", soft_wrap=True)
+        console.print()
+    for p in paragraphs:
+        console.print(p, soft_wrap=console.is_terminal is False)
+        console.print()
+    md = "\n".join(
+        f"## {t.title}\n\n{to_markdown(t)}\n" + "".join(f"{n}\n" for n in t.notes) for t in tables
+    )
+    md += "\n## What was measured, and what the certificates cover\n\n"
+    md += "\n\n".join(paragraphs) + "\n"
+    atomic_write_text(out / "report.md", md)
+    logging.getLogger(__name__).info(
+        "wrote %d result rows and %d risk lines to %s", len(rows), len(lines), out
+    )
     typer.echo(str(out / "results.json"))

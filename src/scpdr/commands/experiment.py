@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from scpdr.experiment import ExperimentConfig, Stage
+    from scpdr.experiment import Executor, ExperimentConfig, Stage
 
 
 def experiment(
@@ -31,12 +31,25 @@ def experiment(
         False, "--keep-stale", help="Keep cached stage dirs whose settings are outdated."
     ),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Rich progress display."),
+    executor: str = typer.Option(
+        "local",
+        "--executor",
+        help="How the stages run: 'local' (one at a time in this process) or 'ray' (independent "
+        "stages in parallel as Ray tasks, with the config's resources:; pip install scpdr[ray]).",
+    ),
+    address: str | None = typer.Option(
+        None,
+        "--address",
+        help="Ray cluster to run on (with --executor ray; 'auto': the one on this machine; "
+        "default: a local one started for the run). OUT must be on a filesystem every node sees.",
+    ),
 ) -> None:
     """Run (or resume) an experiment and write results.json, report.md and report.html."""
     from scpdr.commands import check_out_dir
-    from scpdr.experiment import load_config
+    from scpdr.experiment import load_config, make_executor
 
     load_config(config)  # validate first: errors name the key
+    runner = make_executor(executor, address=address)  # Ray missing: an error before any work
     out_dir = out if out is not None else Path("runs") / config.stem
     check_out_dir(out_dir)
     if force or dry_run:
@@ -48,13 +61,22 @@ def experiment(
         if dry_run:
             _print_plan(cfg, [*stages, report], out_dir, force=force)
             return
-    run_and_print(config, out_dir, force=force, progress=progress, keep_stale=keep_stale)
+    run_and_print(
+        config, out_dir, force=force, progress=progress, keep_stale=keep_stale, executor=runner
+    )
 
 
 def run_and_print(
-    config: Path, out: Path, *, force: list[str], progress: bool, keep_stale: bool = False
+    config: Path,
+    out: Path,
+    *,
+    force: list[str],
+    progress: bool,
+    keep_stale: bool = False,
+    executor: Executor | None = None,
 ):  # type: ignore[no-untyped-def]
-    """Run ``config`` into ``out`` and print the main table (shared with ``scpdr demo``)."""
+    """Run ``config`` into ``out`` with ``executor`` (default: local) and print the main table
+    (shared with ``scpdr demo``)."""
     import time
 
     from rich.console import Console
@@ -63,7 +85,9 @@ def run_and_print(
     from scpdr.report import to_rich
 
     t0 = time.perf_counter()
-    result = run_experiment(config, out, force=force, progress=progress, keep_stale=keep_stale)
+    result = run_experiment(
+        config, out, force=force, progress=progress, keep_stale=keep_stale, executor=executor
+    )
     seconds = time.perf_counter() - t0
     console = Console()
     if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns

@@ -25,13 +25,15 @@ from pydantic import BaseModel, ValidationError
 from scpdr.data.canaries import CanaryConfig
 from scpdr.data.grouping import GroupingConfig
 from scpdr.data.records import FieldMapping
-from scpdr.errors import ConfigError
+from scpdr.data.secrets import SecretsConfig
+from scpdr.errors import ConfigError, format_validation_error
 from scpdr.training.config import TrainConfig
 
 __all__ = [
     "CANARY_OPTIONS",
     "FIELD_OPTIONS",
     "GROUPING_OPTIONS",
+    "SECRET_OPTIONS",
     "TRAIN_OPTIONS",
     "OptionGroup",
     "bounds_text",
@@ -102,7 +104,7 @@ def _default_text(group: OptionGroup, name: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, (list, tuple)):
-        return ", ".join(map(str, value))
+        return ", ".join(map(str, value)) or None
     return str(value)
 
 
@@ -202,8 +204,6 @@ def build(group: OptionGroup, values: Mapping[str, Any], **fixed: Any) -> Any:
 
 def describe(group: OptionGroup, exc: ValidationError) -> str:
     """``exc`` as ``--flag (field): message (got value)``, one clause per error."""
-    from scpdr.commands import format_validation_error
-
     names = {n: f"{group.flags_of(n)[0]} ({n})" for n in group.fields()}
     return format_validation_error(exc, names)
 
@@ -226,8 +226,29 @@ FIELD_OPTIONS = OptionGroup(
     what="field mapping",
     flags={name: (f"--{name}-field",) for name in FieldMapping.model_fields},
 )
-"""``--text-field``/``--prompt-field``/``--response-field``/``--id-field``: which columns of a
-user's file hold the record's fields (:class:`~scpdr.data.records.FieldMapping`)."""
+"""``--text-field``/``--prompt-field``/``--response-field``/``--id-field``/``--messages-field``/
+``--secrets-field``/``--group-field``: which columns of a user's file hold the record's fields
+(:class:`~scpdr.data.records.FieldMapping`)."""
+
+SECRET_OPTIONS = OptionGroup(
+    SecretsConfig,
+    dest="secret_options",
+    what="secret options",
+    include=("patterns", "detect_pii"),
+    flags={"patterns": ("--secret-pattern",), "detect_pii": ("--detect-pii",)},
+)
+"""``--secret-pattern REGEX`` (repeatable) and ``--detect-pii`` of
+:class:`~scpdr.data.secrets.SecretsConfig`."""
+
+VAL_FRACTION = typer.Option(
+    None,
+    "--val-fraction",
+    min=0.0,
+    max=0.9,
+    help="Share of the records held out for validation when the data has no validation split "
+    "(whole --group-field groups at a time; recorded in the manifest) [default: 0.1].",
+)
+"""``--val-fraction`` (default :data:`scpdr.data.DEFAULT_VAL_FRACTION` for a user file)."""
 
 GROUPING_OPTIONS = OptionGroup(
     GroupingConfig,

@@ -30,35 +30,20 @@ def serve(
     api_key: str | None = _option("api_key", envvar="SCPDR_API_KEY"),
     max_batch: int = _option("max_batch"),
     max_queue: int = _option("max_queue"),
-    batch_wait: float = _option("batch_wait_s"),
-    score_chunk_tokens: int = _option("score_chunk_tokens"),
-    served_model_name: str | None = _option("model_name"),
+    batch_wait_s: float = _option("batch_wait_s"),
+    model_name: str | None = _option("model_name"),
     max_request_bytes: int = _option("max_request_bytes"),
     max_sequences_per_request: int = _option("max_sequences_per_request"),
     log_level: str = _option("log_level"),
 ) -> None:
     """Serve BUNDLE over the OpenAI API (completions, chat, models) with NAF certificates."""
+    settings = dict(locals())  # every parameter but BUNDLE is the ServeConfig field it names
+    del settings["bundle"]
     from scpdr.errors import ConfigError, ScpdrError
     from scpdr.serve.config import ServeConfig
     from scpdr.serve.server import run_server
 
-    config = ServeConfig(
-        method=method,
-        m=m,
-        base=base,
-        device=device,
-        host=host,
-        port=port,
-        log_level=log_level,
-        model_name=served_model_name,
-        api_key=api_key,
-        max_request_bytes=max_request_bytes,
-        max_sequences_per_request=max_sequences_per_request,
-        max_batch=max_batch,
-        max_queue=max_queue,
-        batch_wait_s=batch_wait,
-        score_chunk_tokens=score_chunk_tokens,
-    )  # ConfigError (exit 2) before anything loads
+    config = ServeConfig(**settings)  # ConfigError (exit 2) before anything loads
     try:
         run_server(bundle, config)
     except ScpdrError:

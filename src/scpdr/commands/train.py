@@ -1,6 +1,9 @@
 """``scpdr train``: partition a dataset, train one constituent per partition, write a bundle
-(docs/training.md). The training options are generated from
-:class:`~scpdr.training.config.TrainConfig` (:data:`~scpdr.commands.options.TRAIN_OPTIONS`)."""
+(docs/training.md, docs/data.md). The training options are generated from
+:class:`~scpdr.training.config.TrainConfig` (:data:`~scpdr.commands.options.TRAIN_OPTIONS`); the
+field options (``--text-field``, ``--secrets-field``, ``--group-field``, ...) from
+:class:`~scpdr.data.records.FieldMapping`. The plan of every constituent (records, tokens, steps,
+lr schedule; sized to the data, :mod:`scpdr.training.plan`) is printed before training."""
 
 from __future__ import annotations
 
@@ -14,23 +17,39 @@ from scpdr.commands.options import (
     CANARY_OPTIONS,
     FIELD_OPTIONS,
     GROUPING_OPTIONS,
+    SECRET_OPTIONS,
     TRAIN_OPTIONS,
+    VAL_FRACTION,
     build,
     canary_config,
     with_options,
 )
+from scpdr.device import DEVICE_HELP
 
 _DEFAULT_K = 2
 
 
-@with_options(TRAIN_OPTIONS, FIELD_OPTIONS, GROUPING_OPTIONS, CANARY_OPTIONS)
+def print_plans(pset: Any, base_ref: str, config: Any) -> None:
+    """Print each constituent's training plan (:func:`scpdr.training.fit_to_data`)."""
+    from scpdr.models import load_tokenizer
+    from scpdr.training import example_lengths, fit_to_data
+
+    tok = load_tokenizer(base_ref)
+    typer.echo(f"training plan ({pset.k} constituents):")
+    for i, part in enumerate(pset.parts):
+        if part:
+            _, plan = fit_to_data(config, example_lengths(part, tok), name=f"constituent-{i}")
+            typer.echo(plan.summary())
+
+
+@with_options(TRAIN_OPTIONS, FIELD_OPTIONS, SECRET_OPTIONS, GROUPING_OPTIONS, CANARY_OPTIONS)
 def train(
     *,
     data: str = typer.Option(
         ...,
         "--data",
-        help="names2ids, pycode, pydocs, a .jsonl/.csv file, a dataset dir, or a partition dir "
-        "written by `scpdr partition`.",
+        help="names2ids, pycode, pydocs, a .jsonl/.csv/.parquet file, a datasets dir, or a "
+        "partition dir written by `scpdr partition`.",
     ),
     partitions: int | None = typer.Option(
         None,
@@ -47,7 +66,10 @@ def train(
         "smoke runs), or a model directory.",
     ),
     n_train: int | None = typer.Option(None, "--n-train", help="Training examples (all)."),
-    n_val: int | None = typer.Option(None, "--n-val", help="Validation examples held out."),
+    n_val: int | None = typer.Option(
+        None, "--n-val", help="Validation examples held out (instead of --val-fraction)."
+    ),
+    val_fraction: float | None = VAL_FRACTION,
     split: str | None = typer.Option(None, "--split", help="Split of a saved DatasetDict."),
     seed: int = typer.Option(0, "--seed", help="Seed for data, partitions and training."),
     canaries: str = CANARIES,
@@ -64,22 +86,31 @@ def train(
     ),
     method: str = typer.Option("scp-delta-r", "--method", help="Default method of the bundle."),
     m: int = typer.Option(10, "--m", min=1, help="Default smoothing parameter m of the bundle."),
+    device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
     train_options: dict[str, Any],
     field_options: dict[str, Any],
+    secret_options: dict[str, Any],
     grouping_options: dict[str, Any],
     canary_options: dict[str, Any],
 ) -> None:
-    """Train one constituent per partition of --data and write a bundle to --out."""
+    """Train one constituent per partition of --data and write a bundle to --out.
+
+    Secrets (--secrets-field, --secret-pattern) are stored with the partitions in the bundle
+    and checked by the partition audit; --group-field keeps a data subject's records in one
+    partition. `scpdr eval BUNDLE` measures them; `scpdr export` makes a bundle without them.
+    """
     from scpdr.commands import check_method
     from scpdr.data import load_partitions, prepare_partitions
     from scpdr.errors import ConfigError
     from scpdr.training import TrainConfig, train_bundle
+    from scpdr.training.placement import is_main_process, main_process_first, training_device
 
     saved = {}
     if config is not None:
         saved = TrainConfig.from_file(config).model_dump(exclude_unset=True)
     cfg = build(TRAIN_OPTIONS, {**saved, **train_options}, seed=seed)
     check_method(method)  # before training, not after it
+    device = training_device(device)
     canary_cfg = canary_config(canaries, canary_options)
 
     data_path = Path(data)
@@ -92,6 +123,8 @@ def train(
                 if v is not None
             ),
             *(["--canaries"] if canary_cfg is not None else []),
+            *(["--val-fraction"] if val_fraction is not None else []),
+            *(SECRET_OPTIONS.flags_of(n)[0] for n in secret_options),
             *([f"--partitions {partitions}"] if partitions not in (None, pset.k) else []),
             *(FIELD_OPTIONS.flags_of(n)[0] for n in field_options),
             *(GROUPING_OPTIONS.flags_of(n)[0] for n in grouping_options),
@@ -105,30 +138,39 @@ def train(
             )
         source: Any = pset
     else:
+        from scpdr.data import DEFAULT_VAL_FRACTION, ChatTemplate
+
         source = prepare_partitions(
             data,
             k=partitions if partitions is not None else _DEFAULT_K,
             seed=seed,
             n_train=n_train,
             n_val=n_val,
+            val_fraction=DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction,
             fields=build(FIELD_OPTIONS, field_options),
             split=split,
             grouping=build(GROUPING_OPTIONS, grouping_options),
             canaries=canary_cfg,
+            secrets=build(SECRET_OPTIONS, secret_options),
+            # chat records: the base's chat template, the one the server's chat endpoint applies
+            chat=ChatTemplate("embedded" if base in ("embedded", "tiny") else base),
             allow_failed_audit=allow_failed_audit,
             override="`--allow-failed-audit`",
         )
         pset = source.pset
+        typer.echo(source.audit.summary())
 
     base_ref: str = base
     if base == "tiny":
         from scpdr.tiny import tiny_model, tiny_tokenizer
 
         tiny_dir = out / "base"
-        if not (tiny_dir / "config.json").is_file():
-            tiny_model(seed).save_pretrained(str(tiny_dir))
-            tiny_tokenizer().save_pretrained(str(tiny_dir))
+        with main_process_first():  # under accelerate launch: written once, read by all
+            if not (tiny_dir / "config.json").is_file():
+                tiny_model(seed).save_pretrained(str(tiny_dir))
+                tiny_tokenizer().save_pretrained(str(tiny_dir))
         base_ref = str(tiny_dir)
+    print_plans(pset, base_ref, cfg)
     path = train_bundle(
         source,
         base=base_ref,
@@ -137,5 +179,7 @@ def train(
         allow_failed_audit=allow_failed_audit,
         method=method,
         m=m,
+        device=device,
     )
-    typer.echo(f"wrote bundle {path} with {pset.k} constituents")
+    if is_main_process():
+        typer.echo(f"wrote bundle {path} with {pset.k} constituents")

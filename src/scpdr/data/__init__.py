@@ -1,7 +1,7 @@
 """Data: records and loaders, built-in corpora, canaries, disjoint partitions and their audit.
 
-Data flow (``shared/DESIGN.md``): dataset → canaries inserted → K disjoint partitions (+ manifest,
-audited) → one constituent trained per partition (:mod:`scpdr.training`); one function does the
+Data flow (``shared/DESIGN.md``): dataset (+ declared secrets, groups, a validation split) →
+canaries inserted → K disjoint partitions (+ manifest, audited: near-duplicates, groups, secrets) → one constituent trained per partition (:mod:`scpdr.training`); one function does the
 data part, :func:`prepare_partitions`. See ``docs/data.md``.
 """
 
@@ -16,6 +16,7 @@ from scpdr.data.canaries import (
     load_wordlist,
     make_canaries,
 )
+from scpdr.data.chat import ChatTemplate
 from scpdr.data.corpora import (
     CORPORA,
     Corpus,
@@ -51,14 +52,18 @@ from scpdr.data.records import (
     load_records,
     save_records,
 )
+from scpdr.data.secrets import SecretOccurrence, SecretsConfig, add_secrets, secret_occurrences
+from scpdr.data.user_data import DEFAULT_VAL_FRACTION, split_validation
 
 __all__ = [
     "CANARY_PREFIX",
     "CORPORA",
+    "DEFAULT_VAL_FRACTION",
     "AuditReport",
     "Canary",
     "CanaryConfig",
     "CanaryRegistry",
+    "ChatTemplate",
     "Corpus",
     "DataError",
     "FieldMapping",
@@ -68,6 +73,9 @@ __all__ = [
     "PartitionSet",
     "PreparedPartitions",
     "Record",
+    "SecretOccurrence",
+    "SecretsConfig",
+    "add_secrets",
     "audit_dir",
     "audit_for_bundle",
     "audit_partitions",
@@ -87,4 +95,6 @@ __all__ = [
     "pydocs",
     "save_partitions",
     "save_records",
+    "secret_occurrences",
+    "split_validation",
 ]

@@ -1,10 +1,13 @@
 """The partition audit: are the partitions of a manifest disjoint, exactly and up to
-near-duplicates, and are the canaries where they belong?
+near-duplicates, are the canaries where they belong, and is every declared secret absent from at
+least one partition?
 
 :func:`audit_partitions` re-checks a manifest against the records: ids in two partitions, exact
 duplicates and near-duplicates across partitions, records that changed since the manifest was
-written, and canaries in the wrong place (paper Def. 2.1: protection needs each example absent
-from at least one constituent's data).
+written, canaries in the wrong place, and declared secrets (:mod:`scpdr.data.secrets`) found in
+the texts of several partitions (paper Def. 2.1: protection needs each example — and each secret —
+absent from at least one constituent's data). A secret in *every* partition fails the audit; in
+more than one but not all, it is a warning with counts. Reports name records, never a secret.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from scpdr.data.canaries import CanaryRegistry
 from scpdr.data.grouping import GroupingConfig, near_duplicate_pairs
 from scpdr.data.manifest import PartitionManifest, load_partitions
 from scpdr.data.records import Record
+from scpdr.data.secrets import SecretOccurrence, secret_occurrences
 from scpdr.errors import PartitionAuditError
 
 __all__ = ["AuditReport", "Overlap", "audit_dir", "audit_partitions"]
@@ -47,6 +51,8 @@ class AuditReport:
     near_duplicate_overlaps: list[Overlap] = field(default_factory=list)
     integrity_errors: list[str] = field(default_factory=list)
     canary_errors: list[str] = field(default_factory=list)
+    secret_errors: list[SecretOccurrence] = field(default_factory=list)
+    secret_warnings: list[SecretOccurrence] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -55,6 +61,18 @@ class AuditReport:
             or self.near_duplicate_overlaps
             or self.integrity_errors
             or self.canary_errors
+            or self.secret_errors
+        )
+
+    def secret_warning(self) -> str | None:
+        """One line on the secrets found in more than one partition (not all): counts only."""
+        if not self.secret_warnings:
+            return None
+        n_rec = len({i for o in self.secret_warnings for ids in o.records.values() for i in ids})
+        return (
+            f"{len(self.secret_warnings)} declared secret(s) occur in more than one partition "
+            f"(not all; {n_rec} records): each stays protected by the partitions without it, "
+            "but fewer constituents lack it; keep them together with --group-field"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,6 +86,11 @@ class AuditReport:
             "near_duplicate_overlaps": [o.__dict__ for o in self.near_duplicate_overlaps],
             "integrity_errors": list(self.integrity_errors),
             "canary_errors": list(self.canary_errors),
+            "secret_errors": [o.to_dict() for o in self.secret_errors],
+            "secret_warnings": {
+                "count": len(self.secret_warnings),
+                "secrets": [o.to_dict() for o in self.secret_warnings],
+            },
         }
 
     def summary(self) -> str:
@@ -78,6 +101,11 @@ class AuditReport:
             f"{len(self.near_duplicate_overlaps)} near-duplicate overlaps "
             f"(Jaccard >= {self.grouping.threshold}), {len(self.integrity_errors)} integrity "
             f"errors, {len(self.canary_errors)} canary errors"
+            + (
+                f", {len(self.secret_errors)} secrets in every partition"
+                if self.secret_errors
+                else ""
+            )
         ]
         for o in (self.exact_overlaps + self.near_duplicate_overlaps)[:20]:
             lines.append(
@@ -85,6 +113,10 @@ class AuditReport:
                 f"(partition {o.partition_b}), Jaccard {o.jaccard:.3f}"
             )
         lines += [f"  {e}" for e in (self.integrity_errors + self.canary_errors)[:20]]
+        lines += [f"  {o.describe()} (every partition)" for o in self.secret_errors[:20]]
+        warning = self.secret_warning()
+        if warning:
+            lines.append(f"  warning: {warning}")
         return "\n".join(lines)
 
     def raise_if_failed(
@@ -97,8 +129,16 @@ class AuditReport:
         failed = ", ".join(  # the non-empty lists: exact/near-duplicate overlaps, errors
             k.replace("_", " ") for k, v in self.to_dict().items() if isinstance(v, list) and v
         )
+        secrets = (
+            " A secret in every partition is in every constituent's data, so no aggregate can "
+            "protect it: keep the records that share it in one group (--group-field, e.g. the "
+            "customer), remove it from the records that only mention it, or use more "
+            "partitions."
+            if self.secret_errors
+            else ""
+        )
         raise PartitionAuditError(
-            f"{self.summary()}\nFailed checks: {failed}. Re-partition the data (`scpdr "
+            f"{self.summary()}\nFailed checks: {failed}.{secrets} Re-partition the data (`scpdr "
             "partition`) so that no record or near-duplicate is shared between partitions, or, "
             f"knowingly, override the audit ({override}); the override is recorded in the bundle."
         )
@@ -124,7 +164,9 @@ def audit_partitions(
     Reports (i) ids listed in two partitions and equal content hashes in two partitions
     (``exact_overlaps``); (ii) cross-partition pairs with shingle Jaccard ``>= threshold``
     (``near_duplicate_overlaps``); (iii) manifest ids without a record or whose text no longer
-    matches the manifest hash (``integrity_errors``); (iv) misplaced canaries.
+    matches the manifest hash (``integrity_errors``); (iv) misplaced canaries; (v) declared
+    secrets whose text occurs in every partition (``secret_errors``, k > 1) or in several
+    (``secret_warnings``; :func:`~scpdr.data.secrets.secret_occurrences`).
     """
     grouping = grouping or manifest.grouping
     report = AuditReport(k=manifest.k, num_records=manifest.num_records, grouping=grouping)
@@ -170,6 +212,14 @@ def audit_partitions(
         (a, pa, ra), (b, pb, rb) = present[i], present[j]
         if pa != pb and ra.text != rb.text:
             report.near_duplicate_overlaps.append(Overlap("near", a, pa, b, pb, jac))
+
+    if manifest.k > 1:
+        parts = [[by_id[i] for i in e.ids if i in by_id] for e in manifest.partitions]
+        for occ in secret_occurrences(parts):
+            if len(occ.records) == manifest.k:
+                report.secret_errors.append(occ)
+            else:
+                report.secret_warnings.append(occ)
 
     if canaries is not None:
         for c in canaries.inserted:

@@ -33,7 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from scpdr.data.records import DataError, FieldMapping, Record, load_records
+from scpdr.data.records import DataError, FieldMapping, Record
+from scpdr.data.user_data import load_user_split
 
 logger = logging.getLogger(__name__)
 
@@ -448,13 +449,16 @@ def load_corpus(
     fields: Mapping[str, str] | FieldMapping | None = None,
     split: str | None = None,
     val_fraction: float = 0.0,
+    chat: Callable[..., tuple[str, str]] | None = None,
 ) -> Corpus:
     """A built-in corpus by name (sizes default to the builder's) or a user file/directory
-    (:func:`~scpdr.data.records.load_records`).
+    (:func:`~scpdr.data.records.load_records`; ``chat`` renders chat records).
 
     For a user file, a seeded random ``n_val`` records (or ``val_fraction`` of them) are held out
-    for validation and a seeded random ``n_train`` of the rest (all by default) are the training
-    records, kept in file order; fewer than ``n_train`` left is a logged warning.
+    for validation — whole data subjects (``group``) at a time — and a seeded random ``n_train``
+    of the rest (all by default) are the training records, kept in file order; fewer than
+    ``n_train`` left is a logged warning. A ``datasets`` directory's ``validation`` split is used
+    when ``n_val`` is not given (:func:`~scpdr.data.user_data.load_user_split`).
     """
     name = os.fspath(source)
     if name in CORPORA:
@@ -466,24 +470,17 @@ def load_corpus(
             f"{name!r} is neither a built-in corpus ({', '.join(sorted(CORPORA))}) nor an "
             f"existing file or directory"
         )
-    records = load_records(path, fields=fields, split=split)
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    k_val = n_val if n_val is not None else round(val_fraction * len(records))
-    if k_val >= len(records):
-        raise DataError(f"{path}: {len(records)} records, cannot hold out {k_val} for validation")
-    order = list(range(len(records)))
-    random.Random(f"val:{seed}").shuffle(order)
-    val_idx = set(order[:k_val])
-    train_idx = set(order[k_val:] if n_train is None else order[k_val : k_val + n_train])
-    if n_train is not None and len(train_idx) < n_train:
-        logger.warning("%s: only %d training records (n_train=%d)", path, len(train_idx), n_train)
-    return Corpus(
-        name=path.stem,
-        train=[r for i, r in enumerate(records) if i in train_idx],
-        validation=[r for i, r in enumerate(records) if i in val_idx],
-        meta={"seed": seed, "source": str(path.resolve())},
+    train, val, meta = load_user_split(
+        path,
+        n_train=n_train,
+        n_val=n_val,
+        seed=seed,
+        fields=fields,
+        split=split,
+        val_fraction=val_fraction,
+        chat=chat,
     )
+    return Corpus(name=path.stem, train=train, validation=val, meta=meta)
 
 
 def build_corpus(name: str, *, n_train: int, n_val: int, seed: int = 0, **kwargs: Any) -> Corpus:

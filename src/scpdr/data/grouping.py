@@ -23,6 +23,7 @@ __all__ = [
     "GroupingConfig",
     "group_near_duplicates",
     "jaccard",
+    "merge_groups",
     "near_duplicate_pairs",
     "shingles",
 ]
@@ -130,3 +131,22 @@ def group_near_duplicates(
     for i in range(len(texts)):
         groups.setdefault(uf.find(i), []).append(i)
     return sorted(groups.values(), key=lambda g: g[0])
+
+
+def merge_groups(groups: Sequence[Sequence[int]], labels: Sequence[str | None]) -> list[list[int]]:
+    """``groups`` (lists of indices) with every two groups that hold indices of the same label
+    merged: near-duplicate groups joined by data subject (``labels[i]``: record ``i``'s group,
+    None for none). Same ordering as :func:`group_near_duplicates`."""
+    n = len(labels)
+    uf = _UnionFind(n)
+    for g in groups:
+        for i in g[1:]:
+            uf.union(g[0], i)
+    first: dict[str, int] = {}
+    for i, label in enumerate(labels):
+        if label is not None:
+            uf.union(first.setdefault(label, i), i)
+    merged: dict[int, list[int]] = {}
+    for i in range(n):
+        merged.setdefault(uf.find(i), []).append(i)
+    return sorted(merged.values(), key=lambda g: g[0])

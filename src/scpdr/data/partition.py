@@ -9,7 +9,11 @@ partition lets every constituent learn it. So partitioning here
    whitespace collapsed), MinHash signatures and LSH (datasketch) to find candidate pairs, each
    candidate verified by its *exact* shingle Jaccard ``>= threshold``; exact duplicates (same
    content hash) are always grouped; groups are the connected components (union-find);
-2. assigns whole groups to ``k`` partitions, balanced (largest groups first, each to the currently
+2. joins the groups of records of the same data subject (:attr:`Record.group
+   <scpdr.data.records.Record.group>`, ``--group-field``: a customer's tickets stay together) and
+   of records that share a declared secret (one email in two unrelated records), unless the
+   joined group would exceed a partition's fair share (then the audit reports the secret);
+3. assigns whole groups to ``k`` partitions, balanced (largest groups first, each to the currently
    smallest partition) in a seeded order; groups containing a *pinned* record (e.g. canary copies,
    which must all land in one chosen partition) go to that partition.
 
@@ -26,7 +30,7 @@ from typing import Any
 
 from scpdr.data.audit import AuditReport, Overlap, audit_dir, audit_partitions
 from scpdr.data.canaries import CanaryRegistry
-from scpdr.data.grouping import GroupingConfig, group_near_duplicates, shingles
+from scpdr.data.grouping import GroupingConfig, group_near_duplicates, merge_groups, shingles
 from scpdr.data.manifest import (
     PartitionEntry,
     PartitionManifest,
@@ -35,6 +39,7 @@ from scpdr.data.manifest import (
     save_partitions,
 )
 from scpdr.data.records import DataError, Record, records_hash
+from scpdr.data.secrets import secret_index
 
 __all__ = [
     "AuditReport",
@@ -78,7 +83,10 @@ def partition_records(
         validation: held-out records stored beside the partitions (never partitioned).
         dataset: provenance recorded in the manifest (e.g. ``{"name": "names2ids", "seed": 0}``).
 
-    Partition sizes of unpinned records differ by at most the largest group's size.
+    Records with the same :attr:`~scpdr.data.records.Record.group` share a partition (with their
+    near-duplicates), and so do records that share a declared secret when they fit in a
+    partition's fair share. Partition sizes of unpinned records differ by at most the largest group's
+    size.
     """
     if k < 1:
         raise DataError(f"need k >= 1 partitions, got {k}")
@@ -105,6 +113,9 @@ def partition_records(
             raise DataError(f"id {rid!r} is pinned to partition {p}, outside 0..{k - 1}")
 
     groups = group_near_duplicates([r.text for r in records], grouping=grouping)
+    if any(r.group is not None for r in records):  # a data subject's records stay together
+        groups = merge_groups(groups, [r.group for r in records])
+    groups = _join_by_secret(groups, records, k=k, pins={index[i]: p for i, p in pins.items()})
     group_pin: list[int | None] = []
     for g in groups:
         targets = {pins[ids[i]] for i in g if ids[i] in pins}
@@ -139,8 +150,8 @@ def partition_records(
     empty = [p for p, part in enumerate(parts) if not part]
     if empty:
         raise DataError(
-            f"{len(records)} records in {len(groups)} near-duplicate group(s) cannot fill k = {k} "
-            f"partitions: partition(s) {empty} would be empty and their constituents would train "
+            f"{len(records)} records in {len(groups)} group(s) (near-duplicates, data "
+            f"subjects) cannot fill k = {k} partitions: partition(s) {empty} would be empty and their constituents would train "
             "on nothing; lower k (--k) or add records"
         )
     manifest = PartitionManifest(
@@ -160,3 +171,43 @@ def partition_records(
     return PartitionSet(
         manifest=manifest, parts=parts, validation=list(validation), canaries=canaries
     )
+
+
+def _join_by_secret(
+    groups: list[list[int]], records: Sequence[Record], *, k: int, pins: Mapping[int, int]
+) -> list[list[int]]:
+    """``groups`` with the groups of records that share a declared secret joined (the secret
+    then sits in one partition), rarest secrets first. A join is skipped when the joined group
+    would exceed a partition's fair share (ceil(records / k)) or hold records pinned to two
+    partitions: those secrets stay spread, and the audit names them (refused when in every
+    partition, a warning when in several)."""
+    index = secret_index(records)
+    if not index or k < 2:
+        return groups
+    limit = -(-len(records) // k)
+    owner = {i: g for g, members in enumerate(groups) for i in members}
+    parent = list(range(len(groups)))
+    size = [len(g) for g in groups]
+    pin: list[set[int]] = [{pins[i] for i in g if i in pins} for g in groups]
+
+    def find(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    for _, where in sorted(index.items(), key=lambda kv: (len(kv[1]), kv[0])):
+        roots = sorted({find(owner[i]) for i in where})
+        if len(roots) < 2:
+            continue
+        pinned = set().union(*(pin[r] for r in roots))
+        if sum(size[r] for r in roots) > limit or len(pinned) > 1:
+            continue
+        for r in roots[1:]:
+            parent[r] = roots[0]
+            size[roots[0]] += size[r]
+            pin[roots[0]] |= pin[r]
+    merged: dict[int, list[int]] = {}
+    for g, members in enumerate(groups):
+        merged.setdefault(find(g), []).extend(members)
+    return sorted((sorted(m) for m in merged.values()), key=lambda g: g[0])

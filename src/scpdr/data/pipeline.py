@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from scpdr.data.grouping import GroupingConfig
 from scpdr.data.manifest import PartitionSet, save_partitions
 from scpdr.data.partition import partition_records
 from scpdr.data.records import DataError, FieldMapping
+from scpdr.data.secrets import SecretsConfig, add_secrets, check_secret_field
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ def checked_audit(
     ``allow_failed_audit``; ``overridden`` is true when the audit failed and was let through.
     """
     report = audit_partitions(pset.manifest, pset.records(), canaries=pset.canaries)
+    warning = report.secret_warning()
+    if warning:
+        logger.warning("partition audit: %s", warning)
     if not report.passed:
         if not allow_failed_audit:
             report.raise_if_failed(override)
@@ -97,6 +101,8 @@ def prepare_partitions(
     split: str | None = None,
     grouping: GroupingConfig | None = None,
     canaries: CanaryConfig | None = None,
+    secrets: SecretsConfig | None = None,
+    chat: Callable[..., tuple[str, str]] | None = None,
     out: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     allow_failed_audit: bool = False,
@@ -111,10 +117,15 @@ def prepare_partitions(
         k: number of partitions (= constituents).
         seed: seeds the data (built-in corpora, the validation split), the canaries (when their
             ``seed`` is ``None``) and the assignment of groups to partitions.
-        n_train, n_val, val_fraction, fields, split: how a corpus is loaded (see
-            :func:`~scpdr.data.corpora.load_corpus`; ignored for a :class:`Corpus`).
+        n_train, n_val, val_fraction, fields, split, chat: how a corpus is loaded (see
+            :func:`~scpdr.data.corpora.load_corpus`; ignored for a :class:`Corpus`). A
+            ``fields.group`` column keeps each data subject in one partition (and holds
+            validation records out by subject); ``fields.secrets`` declares secret spans.
         grouping: near-duplicate grouping (default :class:`GroupingConfig`).
         canaries: canaries to make and insert into ``canaries.partition`` (none by default).
+        secrets: more secrets: pattern matches and detected PII
+            (:func:`~scpdr.data.secrets.add_secrets`); every declared secret is then checked by
+            the audit (in every partition: refused; in several: a warning).
         out: the partition directory to write (:func:`~scpdr.data.manifest.save_partitions`);
             ``None`` keeps them in memory. An existing ``out`` is refused before any work unless
             ``overwrite``.
@@ -122,7 +133,8 @@ def prepare_partitions(
             raises :class:`~scpdr.errors.PartitionAuditError` and nothing is written.
         override: how the caller's user overrides the audit, named in that error.
 
-    The manifest records the dataset's provenance (name, seed, and for a file its resolved path).
+    The manifest records the dataset's provenance (name, seed, and for a file its resolved path,
+    how the validation split was made, and how many records declare secrets).
     """
     if out is not None and Path(out).exists() and not overwrite:
         raise DataError(
@@ -140,23 +152,38 @@ def prepare_partitions(
             fields=fields,
             split=split,
             val_fraction=val_fraction,
+            chat=chat,
         )
     )
+    train, validation = corpus.train, corpus.validation
+    if secrets is not None and secrets.active:
+        train, validation = add_secrets(train, secrets), add_secrets(validation, secrets)
+    mapping = fields.to_dict() if isinstance(fields, FieldMapping) else dict(fields or {})
+    check_secret_field([*train, *validation], mapping.get("secrets"))
+    secret_meta = {
+        "records": sum(bool(r.secrets) for r in train),
+        "secrets": sum(len(r.secrets) for r in train),
+        "validation_records": sum(bool(r.secrets) for r in validation),
+        **({"field": mapping["secrets"]} if "secrets" in mapping else {}),
+        **(secrets.model_dump(mode="json") if secrets is not None and secrets.active else {}),
+    }
     registry: CanaryRegistry | None = None
     if canaries is not None:
         if canaries.seed is None:
             canaries = canaries.model_copy(update={"seed": seed})
         registry = make_canaries(canaries)
     pset = partition_records(
-        corpus.train,
+        train,
         k=k,
         seed=seed,
         grouping=grouping,
         canaries=registry,
-        validation=corpus.validation,
+        validation=validation,
         dataset={
             "name": corpus.name,
             **{k_: v for k_, v in corpus.meta.items() if k_ != "sources"},
+            **({"secrets": secret_meta} if secret_meta["records"] else {}),
+            **({"group_field": mapping["group"]} if "group" in mapping else {}),
         },
     )
     report, overridden = checked_audit(

@@ -1,6 +1,10 @@
-"""Training records and loaders for user data (JSONL, CSV, ``datasets.load_from_disk`` dirs).
+"""Training records and loaders for user data (JSONL, CSV, Parquet, ``datasets`` dirs; chat
+records in the OpenAI ``messages`` format, :mod:`scpdr.data.chat`).
 
-A :class:`Record` is one training example ``{id, prompt, response, text}``. ``text`` is what a
+A :class:`Record` is one training example ``{id, prompt, response, text}``, optionally with its
+declared ``secrets`` (substrings of ``text``: what the secret-extraction attack tries to recover,
+:mod:`scpdr.data.secrets`) and its ``group`` (the data subject, e.g. a customer: all records of
+a group share a partition). ``text`` is what a
 constituent is fine-tuned on; ``prompt``/``response`` are what the extraction attacks use (the PII
 and TTE attacks of paper §5.1 query a *prefix* of a training example). When both are given and
 ``text`` is not, ``text = prompt + response`` (no separator token is inserted, see
@@ -13,22 +17,25 @@ number of the first bad row, and refuse duplicate ids: the partition manifest an
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
+import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scpdr.errors import ScpdrError
+from scpdr.data.formats import DataError, iter_rows, read_jsonl
 from scpdr.io import atomic_write
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "FIELDS",
+    "MAPPED_FIELDS",
     "DataError",
     "FieldMapping",
     "Record",
@@ -39,12 +46,11 @@ __all__ = [
     "save_records",
 ]
 
-#: The fields of a record, in the order they are written.
+#: The fields of a record, in the order they are written (``secrets`` and ``group`` follow when
+#: a record has them).
 FIELDS: tuple[str, ...] = ("id", "prompt", "response", "text")
-
-
-class DataError(ScpdrError, ValueError):
-    """A data file or record is malformed; the message names the file, the line and the fix."""
+#: Every field a file's column can be mapped to (:class:`FieldMapping`).
+MAPPED_FIELDS: tuple[str, ...] = (*FIELDS, "messages", "secrets", "group")
 
 
 @dataclass(frozen=True)
@@ -57,12 +63,19 @@ class Record:
         prompt: the example's prefix (e.g. ``"Name: Ada Lovelace, ID:"``), or ``None`` for
             text-only records.
         response: the continuation after ``prompt`` (e.g. ``" 0123456789"``), or ``None``.
+        secrets: substrings of ``text`` that are secret (an email, an account number), in the
+            order they first occur; what the secret-extraction attack queries
+            (:mod:`scpdr.attacks.secrets`) and the partition audit checks.
+        group: the data subject the record belongs to (a customer, a patient): every record of a
+            group goes to the same partition; ``None`` for a record of its own.
     """
 
     id: str
     text: str
     prompt: str | None = None
     response: str | None = None
+    secrets: tuple[str, ...] = ()
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -73,6 +86,16 @@ class Record:
             raise DataError(
                 f"record {self.id!r}: give both prompt and response, or neither (text-only record)"
             )
+        if not isinstance(self.secrets, tuple) or not all(
+            isinstance(x, str) and x for x in self.secrets
+        ):
+            raise DataError(f"record {self.id!r}: secrets must be a tuple of non-empty strings")
+        missing = sum(x not in self.text for x in self.secrets)
+        if missing:  # never the secret itself in a message
+            raise DataError(
+                f"record {self.id!r}: {missing} of its {len(self.secrets)} secrets do not occur "
+                "in its text; a secret is a substring of the record"
+            )
 
     @classmethod
     def make(
@@ -82,15 +105,21 @@ class Record:
         prompt: str | None = None,
         response: str | None = None,
         text: str | None = None,
+        secrets: Iterable[str] = (),
+        group: str | None = None,
     ) -> Record:
-        """Build a record; ``text`` defaults to ``prompt + response``."""
+        """Build a record; ``text`` defaults to ``prompt + response``; ``secrets`` are kept in
+        the order they first occur in the text, duplicates dropped."""
         if text is None:
             if prompt is None or response is None:
                 raise DataError(
                     f"record {id!r}: needs either 'text' or both 'prompt' and 'response'"
                 )
             text = prompt + response
-        return cls(id=id, text=text, prompt=prompt, response=response)
+        uniq = list(dict.fromkeys(secrets))
+        found = {x: text.find(x) for x in uniq}
+        ordered = tuple(sorted(uniq, key=lambda x: (found[x] < 0, found[x])))
+        return cls(id=id, text=text, prompt=prompt, response=response, secrets=ordered, group=group)
 
     @property
     def hash(self) -> str:
@@ -98,8 +127,13 @@ class Record:
         return content_hash(self.text)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        return {k: d[k] for k in FIELDS}
+        """``{id, prompt, response, text}``, plus ``secrets`` and ``group`` when set."""
+        d: dict[str, Any] = {k: getattr(self, k) for k in FIELDS}
+        if self.secrets:
+            d["secrets"] = list(self.secrets)
+        if self.group is not None:
+            d["group"] = self.group
+        return d
 
 
 def content_hash(text: str) -> str:
@@ -140,6 +174,24 @@ class FieldMapping(BaseModel):
         min_length=1,
         description="Column with a unique record id (default: <file stem>-<row>).",
     )
+    messages: str | None = Field(
+        None,
+        min_length=1,
+        description="Column with OpenAI chat messages, trained with the model's chat template "
+        "(default: messages).",
+    )
+    secrets: str | None = Field(
+        None,
+        min_length=1,
+        description="Column with the record's secrets: a list of substrings of the record "
+        "(default: secrets).",
+    )
+    group: str | None = Field(
+        None,
+        min_length=1,
+        description="Column naming the data subject (a customer, a patient): its records share "
+        "a partition (default: group).",
+    )
 
     def to_dict(self) -> dict[str, str]:
         """``{our field: column}`` for the fields that are set."""
@@ -149,63 +201,92 @@ class FieldMapping(BaseModel):
 def _resolve_mapping(fields: Mapping[str, str] | FieldMapping | None) -> dict[str, str]:
     if isinstance(fields, FieldMapping):
         fields = fields.to_dict()
-    mapping = {f: f for f in FIELDS}
+    mapping = {f: f for f in MAPPED_FIELDS}
     for ours, theirs in (fields or {}).items():
-        if ours not in FIELDS:
+        if ours not in MAPPED_FIELDS:
             raise DataError(
-                f"unknown record field {ours!r} in the field mapping; use one of {list(FIELDS)}"
+                f"unknown record field {ours!r} in the field mapping; use one of "
+                f"{list(MAPPED_FIELDS)}"
             )
         mapping[ours] = theirs
     return mapping
 
 
+_STRING_FIELDS = ("id", "prompt", "response", "text", "group")
+
+
+def _secret_list(v: Any, where: str, column: str) -> list[str]:
+    """A secrets cell as a list: a list of strings, a JSON list in a string (CSV), or one
+    string (one secret)."""
+    if v is None:
+        return []
+    if isinstance(v, str) and v.lstrip().startswith("["):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError:
+            raise DataError(f"{where}: field {column!r} is not a JSON list of strings") from None
+    if isinstance(v, (str, int)) and not isinstance(v, bool):
+        return [str(v)]
+    if isinstance(v, (list, tuple)) and all(
+        isinstance(x, (str, int)) and not isinstance(x, bool) for x in v
+    ):
+        return [str(x) for x in v if str(x)]
+    raise DataError(f"{where}: field {column!r} must be a list of strings (the record's secrets)")
+
+
 def _row_to_record(
-    row: Mapping[str, Any], *, mapping: Mapping[str, str], default_id: str, where: str
+    row: Mapping[str, Any],
+    *,
+    mapping: Mapping[str, str],
+    default_id: str,
+    where: str,
+    chat: Callable[..., tuple[str, str]] | None = None,
+    dropped: list[str] | None = None,
 ) -> Record:
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     values: dict[str, str | None] = {}
-    for ours, theirs in mapping.items():
+    for ours in _STRING_FIELDS:
+        theirs = mapping[ours]
         v = row.get(theirs)
-        if v is None or (isinstance(v, str) and v == "" and ours == "id"):
+        if v is None or (isinstance(v, str) and v == "" and ours in ("id", "group")):
             values[ours] = None
         elif isinstance(v, (str, int)) and not isinstance(v, bool):
             values[ours] = str(v)
         else:
             raise DataError(f"{where}: field {theirs!r} must be a string, got {type(v).__name__}")
+    messages = row.get(mapping["messages"])
+    if values["text"] is None and values["prompt"] is None and messages is not None:
+        if chat is None:
+            from scpdr.data.chat import ChatTemplate
+
+            chat = ChatTemplate()
+        values["prompt"], values["response"] = chat(messages, where=where)
     if values["text"] is None and (values["prompt"] is None or values["response"] is None):
         present = sorted(k for k, v in row.items() if v is not None)
         raise DataError(
-            f"{where}: a record needs a {mapping['text']!r} field, or both {mapping['prompt']!r} "
-            f"and {mapping['response']!r}; found fields {present}. If the columns are named "
-            f"differently, map them (--text-field COLUMN, or --prompt-field COLUMN "
-            f"--response-field COLUMN; in Python fields={{'text': COLUMN}})."
+            f"{where}: a record needs a {mapping['text']!r} field, both {mapping['prompt']!r} "
+            f"and {mapping['response']!r}, or chat {mapping['messages']!r}; found fields "
+            f"{present}. If the columns are named differently, map them (--text-field COLUMN, "
+            "--prompt-field COLUMN --response-field COLUMN, or --messages-field COLUMN; in "
+            "Python fields={'text': COLUMN})."
         )
+    secrets = _secret_list(row.get(mapping["secrets"]), where, mapping["secrets"])
+    text = values["text"] or f"{values['prompt']}{values['response']}"
+    absent = [x for x in secrets if x not in text]
+    if absent and dropped is not None:
+        dropped.append(values["id"] or default_id)
     try:
         return Record.make(
             id=values["id"] or default_id,
             prompt=values["prompt"],
             response=values["response"],
             text=values["text"],
+            secrets=[x for x in secrets if x in text],
+            group=values["group"],
         )
     except DataError as exc:
         raise DataError(f"{where}: {exc}") from None
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line_number, parsed_object)`` for each non-blank line; bad JSON → DataError."""
-    path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno}); each line "
-                    f"of a .jsonl file must be one JSON object"
-                ) from None
 
 
 def _check_unique(records: Sequence[Record], wheres: Sequence[str]) -> None:
@@ -223,19 +304,25 @@ def load_records(
     *,
     fields: Mapping[str, str] | FieldMapping | None = None,
     split: str | None = None,
+    chat: Callable[..., tuple[str, str]] | None = None,
 ) -> list[Record]:
-    """Load records from a ``.jsonl``/``.json`` (one object per line), ``.csv``, or a directory
-    written by ``datasets``' ``save_to_disk``.
+    """Load records from a ``.jsonl``/``.json`` (one object per line), ``.csv``, ``.parquet``
+    file, or a directory written by ``datasets``' ``save_to_disk``.
 
     Args:
         path: the file or directory.
-        fields: maps our field names (``id``, ``prompt``, ``response``, ``text``) to the file's
-            column names, e.g. ``{"prompt": "question", "response": "answer"}`` (or a
-            :class:`FieldMapping`).
+        fields: maps our field names (``id``, ``prompt``, ``response``, ``text``, ``messages``,
+            ``secrets``, ``group``) to the file's column names, e.g. ``{"prompt": "question",
+            "response": "answer"}`` (or a :class:`FieldMapping`).
         split: for a saved ``DatasetDict``, which split to read (default ``"train"``).
+        chat: renders chat records (``messages``) as ``(prompt, response)``; default
+            :class:`~scpdr.data.chat.ChatTemplate` of the embedded model (``scpdr train``
+            passes its base model's).
 
-    Missing ids default to ``"<file stem>-<row index>"``. Raises :class:`DataError` naming the
-    file and line (or row) of the first bad record, and on duplicate ids.
+    Missing ids default to ``"<file stem>-<row index>"``. A declared secret that does not occur
+    in its record's text is dropped with a warning naming the record (never the secret). Raises
+    :class:`DataError` naming the file and line (or row) of the first bad record, and on
+    duplicate ids.
     """
     path = Path(path)
     mapping = _resolve_mapping(fields)
@@ -243,74 +330,32 @@ def load_records(
         raise FileNotFoundError(f"data file not found: {path}")
     records: list[Record] = []
     wheres: list[str] = []
-    if path.is_dir():
-        for i, row in enumerate(_iter_hf_rows(path, split=split)):
-            where = f"{path} (row {i})"
-            records.append(
-                _row_to_record(row, mapping=mapping, default_id=f"{path.name}-{i}", where=where)
+    dropped: list[str] = []
+    stem = path.name if path.is_dir() else path.stem
+    for i, (where, row) in enumerate(iter_rows(path, split=split)):
+        records.append(
+            _row_to_record(
+                row,
+                mapping=mapping,
+                default_id=f"{stem}-{i}",
+                where=where,
+                chat=chat,
+                dropped=dropped,
             )
-            wheres.append(where)
-    elif path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
-        for i, (lineno, obj) in enumerate(read_jsonl(path)):
-            where = f"{path}:{lineno}"
-            records.append(
-                _row_to_record(obj, mapping=mapping, default_id=f"{path.stem}-{i}", where=where)
-            )
-            wheres.append(where)
-    elif path.suffix.lower() == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None:
-                raise DataError(f"{path}: empty CSV file; the first line must be a header")
-            try:
-                for i, row in enumerate(reader):
-                    # the reader's line_num is the physical line where this row ended
-                    where = f"{path}:{reader.line_num}"
-                    if None in row:
-                        raise DataError(
-                            f"{where}: more values than header columns ({len(reader.fieldnames)})"
-                        )
-                    clean = {k: (v if v != "" else None) for k, v in row.items()}
-                    records.append(
-                        _row_to_record(
-                            clean, mapping=mapping, default_id=f"{path.stem}-{i}", where=where
-                        )
-                    )
-                    wheres.append(where)
-            except csv.Error as exc:
-                raise DataError(f"{path}:{reader.line_num}: malformed CSV ({exc})") from None
-    else:
-        raise DataError(
-            f"{path}: unsupported data file type {path.suffix!r}; use .jsonl, .csv, or a "
-            f"directory saved with datasets' save_to_disk"
         )
+        wheres.append(where)
     if not records:
         raise DataError(f"{path}: no records found")
+    if dropped:
+        logger.warning(
+            "%s: %d record(s) declare secrets that do not occur in their text (dropped; a "
+            "secret is a substring of the record): %s",
+            path,
+            len(dropped),
+            ", ".join(dropped[:10]) + (" ..." if len(dropped) > 10 else ""),
+        )
     _check_unique(records, wheres)
     return records
-
-
-def _iter_hf_rows(path: Path, *, split: str | None) -> Iterator[Mapping[str, Any]]:
-    try:
-        import datasets
-    except ImportError as exc:  # pragma: no cover - datasets is a dependency
-        from scpdr.errors import missing_dependency
-
-        raise missing_dependency("datasets") from exc
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except FileNotFoundError as exc:
-        raise DataError(
-            f"{path}: not a dataset directory written by datasets' save_to_disk ({exc})"
-        ) from None
-    if isinstance(ds, datasets.DatasetDict):
-        name = split or "train"
-        if name not in ds:
-            raise DataError(f"{path}: no split {name!r}; available splits: {sorted(ds)}")
-        ds = ds[name]
-    elif split is not None:
-        raise DataError(f"{path}: is a single Dataset, not a DatasetDict; drop split={split!r}")
-    yield from ds
 
 
 def save_records(path: str | os.PathLike[str], records: Iterable[Record]) -> Path:

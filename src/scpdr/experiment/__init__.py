@@ -15,8 +15,9 @@ The pipeline of ``shared/DESIGN.md`` (layer 6)::
 - :mod:`~scpdr.experiment.stages`, :mod:`~scpdr.experiment.stages_eval`: the stage bodies; every
   attack stage runs the one evaluation pipeline of ``scpdr eval``
   (:mod:`scpdr.attacks.evaluation`).
-- :mod:`~scpdr.experiment.run`: :func:`run_experiment`, the executor seam (:class:`Executor`,
-  :class:`LocalExecutor`), progress and publishing.
+- :mod:`~scpdr.experiment.run`: :func:`run_experiment`, progress and publishing;
+  :mod:`~scpdr.experiment.executors`: the executor seam (:class:`Executor`, :class:`StageJob`),
+  :class:`LocalExecutor` (the default) and the Ray executor (:func:`make_executor`).
 
 Re-running skips finished stages; a changed setting changes the hashes of exactly the stages that
 depend on it, so only those re-run. Method names are the result-row names of :mod:`scpdr.methods`.
@@ -35,6 +36,7 @@ from scpdr.experiment.cache import (
     run_lock,
 )
 from scpdr.experiment.config import DEFAULT_METHODS, ExperimentConfig, load_config, validate_config
+from scpdr.experiment.executors import EXECUTORS, make_executor
 from scpdr.experiment.plan import StageGraph, matches_stage, plan
 from scpdr.experiment.run import (
     Executor,
@@ -56,6 +58,7 @@ from scpdr.experiment.sections import (
     PartitionConfig,
     ReferenceConfig,
     ReportConfig,
+    ResourceRequest,
     SweepConfig,
 )
 
@@ -63,6 +66,7 @@ __all__ = [
     "ATTACKS",
     "BUILTIN_CORPORA",
     "DEFAULT_METHODS",
+    "EXECUTORS",
     "MARKER",
     "STAGE_VERSIONS",
     "AttacksConfig",
@@ -77,6 +81,7 @@ __all__ = [
     "PartitionConfig",
     "ReferenceConfig",
     "ReportConfig",
+    "ResourceRequest",
     "Stage",
     "StageCache",
     "StageContext",
@@ -87,6 +92,7 @@ __all__ = [
     "SweepConfig",
     "code_version",
     "load_config",
+    "make_executor",
     "matches_stage",
     "plan",
     "planned",

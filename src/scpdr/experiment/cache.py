@@ -36,12 +36,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "MARKER",
+    "STAGE_CODE",
     "STAGE_VERSIONS",
     "Stage",
     "StageCache",
     "StageContext",
     "StageOutcome",
+    "code_files",
     "code_version",
+    "module_files",
     "run_lock",
 ]
 
@@ -60,22 +63,48 @@ STAGE_VERSIONS: dict[str, int] = {
 _EVAL_CODE = (
     "scpdr.attacks",
     "scpdr.methods",
-    "scpdr.protected",
     "scpdr.runtime",
+    "scpdr.lora",
+    "scpdr.kernels",
     "scpdr.naf",
     "scpdr.bounds",
     "scpdr.models",
+    "scpdr.data",
+    "scpdr.device",
 )
-_STAGE_CODE: dict[str, tuple[str, ...]] = {
-    "partitions": ("scpdr.data",),
-    "train": ("scpdr.training", "scpdr.models", "scpdr.tiny", "scpdr.data"),
-    "bundle": ("scpdr.models",),
+STAGE_CODE: dict[str, tuple[str, ...]] = {
+    # scpdr.data renders chat records with a model's template (data/chat.py loads a tokenizer)
+    "partitions": (
+        "scpdr.data",
+        "scpdr.resources",
+        "scpdr.models",
+        "scpdr.methods",
+        "scpdr.naf",
+        "scpdr.kernels",
+    ),
+    "train": (
+        "scpdr.training",
+        "scpdr.models",
+        "scpdr.tiny",
+        "scpdr.data",
+        "scpdr.methods",
+        "scpdr.naf",
+        "scpdr.kernels",
+        "scpdr.device",
+    ),
+    "bundle": ("scpdr.models", "scpdr.methods", "scpdr.naf", "scpdr.kernels"),
     "attack": _EVAL_CODE,
     "bounds": _EVAL_CODE,
-    "report": ("scpdr.report", "scpdr.methods"),
+    "report": ("scpdr.report", "scpdr.attacks", "scpdr.methods"),
 }
-"""Modules whose source is part of a stage kind's hash (the "code version"); a module that does
-not exist adds nothing."""
+"""Modules and packages whose source is part of a stage kind's hash (the "code version"): every
+scpdr module the stage's code imports, directly or not (``tests/test_stage_code.py`` checks the
+table against the imports), except ``scpdr.errors`` and ``scpdr.io``. A package counts with all
+its files (:func:`code_files`)."""
+
+#: File kinds of a package that are part of its code: Python, the C kernels and their header,
+#: resource text.
+CODE_SUFFIXES = (".py", ".c", ".h", ".txt")
 
 MARKER = "_stage.json"
 HASH_LEN = 16
@@ -85,7 +114,9 @@ def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def _module_files(module: str) -> list[Path]:
+def module_files(module: str) -> list[Path]:
+    """The files of ``module``: a module's source file, or every file of a package (its
+    subpackages too) with a suffix of :data:`CODE_SUFFIXES`; ``[]`` when it does not exist."""
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -95,10 +126,18 @@ def _module_files(module: str) -> list[Path]:
     if spec.submodule_search_locations:
         files: list[Path] = []
         for loc in spec.submodule_search_locations:
-            root = Path(loc)
-            files += [p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".txt")]
+            files += [
+                p
+                for p in Path(loc).rglob("*")
+                if p.is_file() and p.suffix in CODE_SUFFIXES and "__pycache__" not in p.parts
+            ]
         return sorted(files)
     return [Path(spec.origin)] if spec.origin and spec.origin != "built-in" else []
+
+
+def code_files(kind: str) -> list[Path]:
+    """The files whose contents are part of stage kind ``kind``'s code version."""
+    return [f for mod in STAGE_CODE.get(kind, ()) for f in module_files(mod)]
 
 
 _CODE_CACHE: dict[str, str] = {}
@@ -110,12 +149,9 @@ def code_version(kind: str) -> str:
         from scpdr import __version__
 
         h = hashlib.sha256(f"{__version__}:{kind}:{STAGE_VERSIONS[kind]}".encode())
-        for mod in _STAGE_CODE.get(kind, ()):
-            for f in _module_files(mod):
-                if "__pycache__" in f.parts:
-                    continue
-                h.update(f.name.encode())
-                h.update(f.read_bytes())
+        for f in code_files(kind):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
         _CODE_CACHE[kind] = h.hexdigest()
     return _CODE_CACHE[kind]
 

@@ -19,12 +19,14 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from scpdr import methods as M
+from scpdr.device import DEVICE_PATTERN
 from scpdr.errors import ConfigError
 from scpdr.experiment.sections import (
     ATTACKS,
     BUILTIN_CORPORA,
     GOLDFISH,
     REQUESTABLE_METHODS,
+    STAGE_KINDS,
     AttacksConfig,
     BaselinesConfig,
     BoundsConfig,
@@ -32,6 +34,7 @@ from scpdr.experiment.sections import (
     PartitionConfig,
     ReferenceConfig,
     ReportConfig,
+    ResourceRequest,
     Section,
     SweepConfig,
 )
@@ -74,6 +77,35 @@ class ExperimentConfig(Section):
     bounds: BoundsConfig = Field(default_factory=BoundsConfig)
     sweeps: list[SweepConfig] = Field(default_factory=list, description="one-dimensional sweeps")
     report: ReportConfig = Field(default_factory=ReportConfig)
+    device: str | None = Field(
+        None,
+        description="where the stages run models: cpu, cuda or cuda:N (default: cuda when "
+        "available); not part of the stage hashes",
+    )
+    resources: dict[str, ResourceRequest] = Field(
+        default_factory=dict,
+        description="per stage kind (partitions, train, bundle, attack, bounds, report), what a "
+        "stage asks the Ray executor for, e.g. {train: {num_gpus: 1}}",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str | None) -> str | None:
+        if v is not None and not DEVICE_PATTERN.match(v):
+            raise ValueError("must be cpu, cuda or cuda:N (e.g. cuda:0)")
+        return v
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, ResourceRequest]) -> dict[str, ResourceRequest]:
+        bad = sorted(set(v) - set(STAGE_KINDS))
+        if bad:
+            raise ValueError(f"unknown stage kind(s) {bad}; use {list(STAGE_KINDS)}")
+        return v
+
+    def resource_request(self, kind: str) -> ResourceRequest:
+        """What a stage of ``kind`` asks a distributed executor for (default: one CPU)."""
+        return self.resources.get(kind) or ResourceRequest()
 
     @field_validator("methods")
     @classmethod

@@ -1,13 +1,14 @@
 """Running an experiment: :func:`run_experiment` plans the stages (:mod:`scpdr.experiment.plan`),
 hands the stage graph to an executor, shows progress and publishes the report.
 
-The executor seam: an :class:`Executor` receives the :class:`~scpdr.experiment.plan.StageGraph`
-and a :class:`StageJob` (picklable: the output dir, the config, which stages are forced) and runs
-every stage once its dependencies are done, through the job, so every executor writes the same
-content-addressed cache (:class:`~scpdr.experiment.cache.StageCache`). :class:`LocalExecutor` runs
-the ready stages one at a time in this process (the default); an executor that runs independent
-stages in parallel elsewhere (Ray) implements the same :meth:`Executor.run` and reports each
-stage's start and end to the same progress display.
+The executor seam (:mod:`scpdr.experiment.executors`): an :class:`Executor` receives the
+:class:`~scpdr.experiment.plan.StageGraph` and a :class:`StageJob` (picklable: the output dir, the
+config, which stages are forced) and runs every stage once its dependencies are done, through the
+job, so every executor writes the same content-addressed cache
+(:class:`~scpdr.experiment.cache.StageCache`). :class:`LocalExecutor` runs the ready stages one at
+a time in this process (the default); the Ray executor runs independent stages in parallel as Ray
+tasks. Both report each stage's start and end to the same progress display, which lists the
+stages running at the moment.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from scpdr.errors import ConfigError
 from scpdr.experiment.cache import Stage, StageCache, StageOutcome, run_lock
 from scpdr.experiment.config import ExperimentConfig, load_config
+from scpdr.experiment.executors import Executor, LocalExecutor, StageJob
 from scpdr.experiment.plan import StageGraph, matches_stage, plan
 from scpdr.io import read_json
 
@@ -39,78 +41,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: ``advance(label, status, seconds)``: status "running" (seconds None), "ran" or "cached".
-Advance = Callable[[str, str, "float | None"], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class StageJob:
-    """Runs one stage into the cache under ``out`` (:meth:`StageCache.run`); picklable, so an
-    executor may call it in another process on a shared filesystem."""
-
-    out: Path
-    config: ExperimentConfig
-    forced: frozenset[str] = frozenset()  # keys of the stages re-run even when cached
-
-    def __call__(
-        self,
-        stage: Stage,
-        *,
-        memo: dict[Any, Any] | None = None,
-        on_start: Callable[[Stage], None] | None = None,
-    ) -> StageOutcome:
-        return StageCache(self.out).run(
-            stage, self.config, force=stage.key in self.forced, memo=memo, on_start=on_start
-        )
-
-
-class Executor(Protocol):
-    """Runs the stages of a graph, each after the stages it depends on."""
-
-    def run(
-        self,
-        graph: StageGraph,
-        job: StageJob,
-        advance: Advance,
-        done: Mapping[str, StageOutcome] | None = None,
-    ) -> dict[str, StageOutcome]:
-        """Run every stage of ``graph`` not in ``done`` (stage key → outcome) through ``job``;
-        call ``advance(stage.label, "running", None)`` when one starts and
-        ``advance(stage.label, outcome.status, outcome.seconds)`` when it ends. Returns the
-        outcome of every stage of the graph by key."""
-        ...
-
-
-class LocalExecutor:
-    """Runs the ready stages one at a time in this process, in graph order; the stages share one
-    ``memo`` (loaded models), dropped by :meth:`close`."""
-
-    def __init__(self) -> None:
-        self.memo: dict[Any, Any] = {}
-
-    def run(
-        self,
-        graph: StageGraph,
-        job: StageJob,
-        advance: Advance,
-        done: Mapping[str, StageOutcome] | None = None,
-    ) -> dict[str, StageOutcome]:
-        outcomes = dict(done or {})
-        for stage in graph.order:
-            if stage.key in outcomes:
-                advance(stage.label, "cached", 0.0)
-        while ready := graph.ready(outcomes):
-            stage = ready[0]
-            outcome = job(
-                stage, memo=self.memo, on_start=lambda s: advance(s.label, "running", None)
-            )
-            advance(stage.label, outcome.status, outcome.seconds)
-            outcomes[stage.key] = outcome
-        return outcomes
-
-    def close(self) -> None:
-        self.memo.clear()
 
 
 class StageRunner:
@@ -337,17 +267,33 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[..., None]]:
         transient=False,
     ) as progress:
         task = progress.add_task("", total=total)
+        running: dict[str, None] = {}  # the stages running now, in the order they started
 
         def advance(name: str, status: str, seconds: float | None) -> None:
-            name = rich_escape(name)  # a sweep label holds "[m=100]"
             if status == "running":
-                progress.update(task, description=f"[cyan]{name}[/] …")
-                return
-            style = "green" if status == "ran" else "dim"
-            progress.console.log(f"[{style}]{status:>6}[/] {name}{_fmt_secs(seconds)}")
-            progress.update(task, advance=1, description="")
+                running[name] = None
+            else:
+                running.pop(name, None)
+                style = "green" if status == "ran" else "dim"
+                label = rich_escape(name)  # a sweep label holds "[m=100]"
+                progress.console.log(f"[{style}]{status:>6}[/] {label}{_fmt_secs(seconds)}")
+            progress.update(
+                task, advance=0 if status == "running" else 1, description=_running_text(running)
+            )
 
         yield advance
+
+
+def _running_text(running: dict[str, None]) -> str:
+    """The progress line's description: the first stage running, and how many more run beside it
+    (an executor that runs stages in parallel)."""
+    if not running:
+        return ""
+    from rich.markup import escape as rich_escape
+
+    first = rich_escape(next(iter(running)))
+    more = f" [dim](+{len(running) - 1} running)[/]" if len(running) > 1 else ""
+    return f"[cyan]{first}[/] …{more}"
 
 
 def _fmt_secs(seconds: float | None) -> str:

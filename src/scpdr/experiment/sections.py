@@ -20,6 +20,7 @@ __all__ = [
     "BUILTIN_CORPORA",
     "GOLDFISH",
     "REQUESTABLE_METHODS",
+    "STAGE_KINDS",
     "AttacksConfig",
     "BaselinesConfig",
     "BoundsConfig",
@@ -32,6 +33,7 @@ __all__ = [
     "PartitionConfig",
     "ReferenceConfig",
     "ReportConfig",
+    "ResourceRequest",
     "Section",
     "SweepConfig",
     "TTEAttackConfig",
@@ -51,6 +53,8 @@ REQUESTABLE_METHODS: tuple[str, ...] = M.AGGREGATE_METHODS
 ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "mia", "utility", "generations")
 _ATTACK_ALIASES = {"lira": "mia"}
 BUILTIN_CORPORA: tuple[str, ...] = ("names2ids", "pycode", "pydocs")
+#: The kinds of stages (``resources:`` keys; :data:`scpdr.experiment.cache.STAGE_VERSIONS`).
+STAGE_KINDS: tuple[str, ...] = ("partitions", "train", "bundle", "attack", "bounds", "report")
 _DEFAULT_ATTACKS: dict[str, tuple[str, ...]] = {
     "names2ids": ("pii", "tte", "mia", "utility", "generations"),
     "pycode": ("tte", "mia", "utility", "generations"),
@@ -304,6 +308,27 @@ class SweepConfig(Section):
     values: list[Any] = Field(..., min_length=1, description="values of the key")
     methods: list[str] | None = Field(None, description="restrict the sweep to these methods")
     attacks: list[str] | None = Field(None, description="restrict the sweep to these attacks")
+
+
+class ResourceRequest(Section):
+    """What one stage of a kind asks a distributed executor for (``scpdr experiment --executor
+    ray``: Ray's task options of the same names); the local executor ignores it."""
+
+    num_cpus: float = Field(1.0, ge=0, description="CPU cores per stage")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per stage (fractions share one GPU)")
+    memory: int | None = Field(None, ge=0, description="memory per stage in bytes (scheduling)")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per stage, e.g. {a100: 1}"
+    )
+
+    def ray_options(self) -> dict[str, Any]:
+        """The request as keyword arguments of Ray's ``.options()``."""
+        out: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory is not None:
+            out["memory"] = self.memory
+        if self.resources:
+            out["resources"] = dict(self.resources)
+        return out
 
 
 class ReportConfig(Section):

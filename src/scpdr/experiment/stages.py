@@ -117,7 +117,13 @@ def run_train(ctx: StageContext) -> None:
     if inp.get(GOLDFISH) is not None:
         update.update(GoldfishConfig.model_validate(inp[GOLDFISH]).train_fields())
     config = TrainConfig.from_dict({**inp["train"], **update}, what="train")
-    finetune(_training_records(ctx), base=_base_ref(ctx), config=config, out=ctx.dir / "model")
+    finetune(
+        _training_records(ctx),
+        base=_base_ref(ctx),
+        config=config,
+        out=ctx.dir / "model",
+        device=ctx.config.device,
+    )
 
 
 def _validation_texts(pset: Any, n: int | None = None) -> list[str]:

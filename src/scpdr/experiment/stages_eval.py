@@ -110,6 +110,7 @@ def run_attack(ctx: StageContext) -> None:
         reference=reference,
         singles=singles,
         store=_store(ctx),
+        device=ctx.config.device,
     )
     seed, bs = int(inp["seed"]), int(inp["batch_size"])
     rows: list[dict[str, Any]] = []
@@ -166,13 +167,14 @@ def run_bounds(ctx: StageContext) -> None:
     bs = max(1, min(int(inp["batch_size"]), 4))
     # one scorer whose components carry the constituents' and the base model's log-probs
     through = smoothing_method("model")
-    scorers = load_scorers(bundle_dir, [through], m=m, store=_store(ctx))
+    dev = ctx.config.device
+    scorers = load_scorers(bundle_dir, [through], m=m, store=_store(ctx), device=dev)
     scorer = scorers[through]
     base_vector = load_constant_base(bundle_dir, read_bundle(bundle_dir))
     ref = None
     if "ref_bundle" in ctx.deps:  # its components[0] is p0
         ref_dir = ctx.dep("ref_bundle") / "bundle"
-        ref = load_scorers(ref_dir, ["cp-delta"], m=m, store=_store(ctx))["cp-delta"]
+        ref = load_scorers(ref_dir, ["cp-delta"], m=m, store=_store(ctx), device=dev)["cp-delta"]
     tx = ["t_x"] if bcfg.t_x else []
     common = {"methods": methods, "m": m, "base_vector": base_vector, "batch_size": bs}
     rows: list[dict[str, Any]] = []

@@ -5,7 +5,7 @@
 - ``cp_fuse.c`` (:mod:`scpdr.kernels.cp_fuse`): CP-Fuse's grid statistics from two
   exponentials per token, for :func:`scpdr.naf.cp_fuse_step`.
 - ``packed_gemm.c`` (:mod:`scpdr.kernels.gemm`): float32 matmuls of a few rows on packed
-  weights for the shared-base LoRA fast path (:mod:`scpdr.lora_layers`), with a register tile
+  weights for the shared-base LoRA fast path (:mod:`scpdr.lora.layers`), with a register tile
   per ISA chosen at build time from the compiler's macros (AVX-512, AVX2 + FMA, aarch64 NEON;
   anything else uses torch).
 

@@ -61,6 +61,7 @@ __all__ = [
     "default_target",
     "force",
     "interleaved_medians",
+    "kernel_source",
     "load",
     "policy",
     "remembered",
@@ -232,6 +233,21 @@ def _cpu_signature() -> str:
     return f"{platform.machine()}|{platform.system()}|{flags}"
 
 
+_LOCAL_INCLUDE = re.compile(rb'^#include "([A-Za-z0-9_]+\.h)"([^\n]*)$', re.MULTILINE)
+
+
+def kernel_source(name: str) -> bytes:
+    """``<name>.c`` of this package as one self-contained translation unit: each
+    ``#include "x.h"`` of a header beside it (e.g. ``fast_math.h``) replaced by the header's
+    text, so that the build (from a temporary directory) and its cache key see all of it."""
+    pkg = resources.files("scpdr.kernels")
+
+    def inline(match: re.Match[bytes]) -> bytes:
+        return pkg.joinpath(match.group(1).decode()).read_bytes().rstrip(b"\n")
+
+    return _LOCAL_INCLUDE.sub(inline, pkg.joinpath(f"{name}.c").read_bytes())
+
+
 def compile_library(
     name: str, source: bytes, compiler: str, target: str, extra: Sequence[str] = ()
 ) -> Path:
@@ -297,7 +313,7 @@ def load(
             compiler = os.environ.get("CC") or "cc"
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC)")
-            source = resources.files("scpdr.kernels").joinpath(f"{name}.c").read_bytes()
+            source = kernel_source(name)
             cdll, path, omp = _open(name, source, compiler, target, openmp)
             lib = Library(name, target, path, cdll, configure(cdll), omp)
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:

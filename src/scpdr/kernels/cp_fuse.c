@@ -58,24 +58,7 @@ typedef float vf __attribute__((vector_size(VBYTES), aligned(VBYTES)));
 const char *scpdr_cp_fuse_isa(void) { return ISA_NAME; }
 int64_t scpdr_cp_fuse_max_power(void) { return MAX_POW; }
 
-static inline float fmx(float a, float b) { return a > b ? a : b; }
-static inline float fmn(float a, float b) { return a < b ? a : b; }
-
-static inline float vexpf(float x) { /* as in scp_delta_r.c: Cephes-style, ~1-2 ulp */
-    x = fmn(fmx(x, -87.3f), 88.3f);
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500E-4f;
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } u;
-    u.i = ((int32_t)n + 127) << 23;
-    return p * u.f;
-}
+#include "fast_math.h" /* fmx, fmn, vexpf (after the pragmas above, as the kernel) */
 
 /* acc[i][q][lane] += sum_t U[i][t] W[q][t] over the tokens t = lane (mod LANES), t < len (a
    multiple of LANES), for the TI x TQ tile at (i0, q0); rows of U and W are BLOCK floats apart. */

@@ -1,5 +1,5 @@
 """The packed GEMM kernel (``packed_gemm.c``) and its weight layout, for the shared-base LoRA
-fast path (:mod:`scpdr.lora_layers`, ``docs/lora_fast_path.md``).
+fast path (:mod:`scpdr.lora.layers`, ``docs/lora_fast_path.md``).
 
 A weight ``W (n, k)`` of ``y = x·Wᵀ`` is stored as panels of ``width`` output columns
 (:func:`pack_panels`), ``width`` being the tile width the library was built with for its ISA

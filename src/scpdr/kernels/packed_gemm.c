@@ -1,5 +1,5 @@
 /* Float32 matmuls with a few rows on a packed weight layout, for the shared-base LoRA fast path
-   (scpdr/lora_fast.py; built, measured against torch and loaded by scpdr/kernels/build.py).
+   (scpdr/lora/layers.py; built, measured against torch and loaded by scpdr/kernels/build.py).
 
    Decoding multiplies a few rows by every weight of the model. torch's sgemm (MKL) handles a
    few rows poorly on CPU (docs/lora_fast_path.md): 1 row streams the weights at ~9 GB/s and 24
@@ -221,7 +221,7 @@ void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int6
     }
 }
 
-/* The stacked LoRA linear of scpdr.lora_fast.StackedLoraLinear: x holds g groups of `rows` rows
+/* The stacked LoRA linear of scpdr.lora.StackedLoraLinear: x holds g groups of `rows` rows
    (g·rows, k); y (g·rows, n) = x·Wᵀ, then for the first l groups y_i += (x_i·A_iᵀ)·(s_i·B_i)ᵀ,
    with a = A_iᵀ of rank r packed as (l, ceil(r / NR), k, NR) and b = s_i·B_i packed as
    (l, ceil(n / NR), r, NR); tmp has room for l x rows x ceil(r / NR)·NR floats. One parallel

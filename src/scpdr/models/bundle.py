@@ -182,7 +182,7 @@ def write_bundle(
     vocab_size = len(first_tok)
     from scpdr import naf
 
-    naf._check_m(m, vocab_size, "write_bundle")  # a ConfigError (ValueError): before any write
+    naf.check_m(m, vocab_size, "write_bundle")  # a ConfigError (ValueError): before any write
     tok_ref = base if base is not None else constituents[0]
     bundle_dir.mkdir(parents=True, exist_ok=True)  # only once the inputs are known to be good
 

@@ -152,7 +152,7 @@ def _untie_adapted_head(model: PreTrainedModel) -> None:
 
     PEFT's (unmerged) forward applies an ``lm_head`` adapter to the output projection only;
     merging it into the tied matrix would change the input embeddings too (peft 0.21), giving a
-    different model than the one trained (and than ``scpdr.lora_fast``'s stacked forward).
+    different model than the one trained (and than ``scpdr.lora``'s stacked forward).
     """
     import torch
 

@@ -73,7 +73,7 @@ def check_compatible(tokenizers: Mapping[str, PreTrainedTokenizerBase]) -> str:
 
 def output_size(model: PreTrainedModel) -> int:
     """How many logits ``model`` outputs per position (its output layer's ``out_features``,
-    without materializing a re-laid-out weight such as :mod:`scpdr.lora_fast`'s packed head)."""
+    without materializing a re-laid-out weight such as :mod:`scpdr.lora`'s packed head)."""
     head = model.get_output_embeddings()
     n = getattr(head, "out_features", None)
     return int(n) if n is not None else int(head.weight.shape[0])

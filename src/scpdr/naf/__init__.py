@@ -59,10 +59,6 @@ from scpdr.naf.rules import (
 )
 from scpdr.naf.smoothing import kept_tokens, smooth, smoothed_logps, smoothed_rpds
 
-# The validation helpers under their old private names, for modules that imported them before
-# the split (scpdr.bounds, scpdr.models); new code uses the public names.
-_as_float32, _check_logps, _check_m = as_float32, check_logps, check_m
-
 __all__ = [
     "CP_FUSE_CHUNK_ELEMENTS",
     "CP_FUSE_GRID",

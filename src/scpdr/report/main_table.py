@@ -52,6 +52,9 @@ COLUMN_SPECS: tuple[ColumnSpec, ...] = (
     ColumnSpec("Canary", "canary", ("p95", "exposure_p95"), "95%", "down", False),
     ColumnSpec("PII", "pii", ("ael",), "AEL", "down", False),
     ColumnSpec("PII", "pii", ("fer",), "FER", "down", False),
+    # the user's declared secrets (scpdr.attacks.secrets): share extracted, share whole
+    ColumnSpec("Secrets", "secrets", ("extracted",), "Extr.", "down", True),
+    ColumnSpec("Secrets", "secrets", ("fer",), "FER", "down", True),
     ColumnSpec("TTE", "tte", ("auc",), "AUC", "down", True),
     ColumnSpec("TTE", "tte", ("acc",), "ACC", "down", True),
     ColumnSpec("Utility", "utility", ("acc", "accuracy"), "ACC", "up", True),

@@ -3,7 +3,7 @@ and the runner that runs them.
 
 Only the models the method needs are loaded ("none": constituent 0; the base model only for the
 SCP rules' 'b' variant; the constant vector for 'c', paper §5.1). When every model is a LoRA
-adapter over one base (or that base itself), the shared-base runner of ``scpdr.lora_fast`` runs
+adapter over one base (or that base itself), the shared-base runner of ``scpdr.lora`` runs
 them in one stacked forward; otherwise (or with ``SCPDR_LORA_FAST=0``) the general
 :class:`~scpdr.runtime.runner.PerModelRunner` loads each model on its own. The choice and its
 reason are returned as a :class:`~scpdr.runtime.outputs.FastPath`.
@@ -72,7 +72,8 @@ def load_bundle_parts(
     """Read a bundle and load what ``method`` needs (see
     :meth:`scpdr.runtime.ProtectedLM.from_bundle` for the arguments and errors)."""
     from scpdr import models as M
-    from scpdr.lora_fast import fast_path_from_bundle
+    from scpdr.device import model_dtype, resolve_device
+    from scpdr.lora import fast_path_from_bundle
 
     if base not in ("model", "constant"):
         raise ValueError(f"base must be 'model' or 'constant', got {base!r}")
@@ -88,7 +89,9 @@ def load_bundle_parts(
             "changed after bundling: rebuild the bundle with `scpdr bundle`"
         )
     refs = manifest.constituents[:1] if method == "none" else manifest.constituents
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    # cuda when available unless told; bf16 models there (the aggregation stays float32)
+    dev = torch.device(resolve_device(None if device is None else str(device)))
+    dtype = dtype if dtype is not None else model_dtype(dev)
     # None: not LoRA adapters over one base (the reason is logged and kept)
     stacked, reason = fast_path_from_bundle(
         path, manifest, method=method, base=base, dtype=dtype, device=dev

@@ -119,7 +119,7 @@ class ScoreOutput:
 @dataclass(frozen=True)
 class FastPath:
     """Whether the shared-base fast path runs (one stacked forward of a base for every LoRA
-    constituent, ``scpdr.lora_fast``) and why, or why not. ``bool(fast_path)`` is ``on``."""
+    constituent, ``scpdr.lora``) and why, or why not. ``bool(fast_path)`` is ``on``."""
 
     on: bool
     reason: str

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Unpack
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from scpdr.runtime.aggregation import Aggregator
 from scpdr.runtime.loading import check_rule, load_bundle_parts
 from scpdr.runtime.outputs import FastPath, Generation, PromptLogprobs, ScoreOutput, StepEvent
 from scpdr.runtime.runner import ModelRunner, PerModelRunner, positions, run_split
-from scpdr.runtime.sampling import SamplingParams, resolve_sampling
+from scpdr.runtime.sampling import SamplingOptions, SamplingParams, resolve_sampling
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -197,12 +197,6 @@ class ProtectedLM:
         tok_max = getattr(self.tokenizer, "model_max_length", None)
         return tok_max if isinstance(tok_max, int) and 0 < tok_max < 10**7 else None
 
-    @property
-    def _stacked(self) -> Any:
-        # Compatibility for benchmarks/bench_lora.py until it reads ``fast_path``/``runner``;
-        # the lead removes it at merge time.
-        return self.runner if self.runner.shared_base else None
-
     def __repr__(self) -> str:
         return f"ProtectedLM(name={self.name!r}, K={self.num_constituents}, m={self.m})"
 
@@ -225,7 +219,10 @@ class ProtectedLM:
         runs the base model ('b'); ``base="constant"`` uses the stored constant vector ('c').
         Only the models the method needs are loaded ("none": constituent 0; no base for
         non-SCP methods); LoRA bundles run on the shared-base fast path (:attr:`fast_path`).
-        Raises BundleError for missing/inconsistent files, ValueError for bad arguments.
+        ``device``: cpu, cuda or cuda:N (default: cuda when available, :mod:`scpdr.device`); on
+        CUDA the models load in bf16 unless ``dtype`` says otherwise, and the aggregation stays
+        float32. Raises BundleError for missing/inconsistent files, ValueError for bad arguments
+        (a :class:`~scpdr.errors.ConfigError` for an unavailable device).
         """
         parts = load_bundle_parts(path, method=method, m=m, base=base, dtype=dtype, device=device)
         return cls(parts.constituents, parts.tokenizer, **parts.kwargs())
@@ -246,7 +243,7 @@ class ProtectedLM:
         base_vector: Tensor | None = None,
         fast_path: FastPath | None = None,
     ) -> ProtectedLM:
-        """A protected model over the models of ``runner`` (e.g. ``scpdr.lora_fast.StackedLoRA``).
+        """A protected model over the models of ``runner`` (e.g. ``scpdr.lora.StackedLoRA``).
 
         For an SCP method without ``base_vector`` (variant 'b') the runner's last model is the
         base and the others the constituents; otherwise every model is a constituent. Raises
@@ -372,22 +369,19 @@ class ProtectedLM:
         self,
         prompts: Prompts,
         *,
-        max_new_tokens: int | Sequence[int] = 32,
-        temperature: float | Sequence[float] = 0.0,
-        top_p: float | Sequence[float] = 1.0,
-        top_k: int | Sequence[int] = 0,
-        stop: str | Sequence[Any] | None = None,
-        seed: int | Sequence[int | None] | None = None,
-        stop_at_eos: bool = True,
-        top_logprobs: int = 0,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> list[Generation]:
         """Generate a continuation of each prompt: one :class:`Generation` per prompt.
 
         Args:
             prompts: strings (tokenized with the tokenizer's special tokens, no chat template) or
                 token-id lists.
-            max_new_tokens: >= 0.
+            sampling: one :class:`SamplingParams` (shared) or one per prompt (the server's
+                per-sequence parameters); or instead, the keyword arguments below
+                (:class:`~scpdr.runtime.sampling.SamplingOptions`, the arguments of
+                :meth:`SamplingParams.per_prompt`):
+            max_new_tokens: >= 0 (default 32).
             temperature: 0 = greedy (argmax of r); > 0 samples from ``r^(1/temperature)``.
             top_p: nucleus mass in (0, 1]. top_k: 0 = off, else keep the k most likely tokens.
             stop: stop strings (shared: a str or list of str; per prompt: a list with one entry,
@@ -395,25 +389,14 @@ class ProtectedLM:
             seed: sampling seed (per prompt or shared; each row has its own generator, so its
                 tokens do not depend on the rest of the batch).
             stop_at_eos: finish a row at the eos token (kept in ``token_ids``).
-            top_logprobs: also return the n most likely tokens of r at each step.
-            sampling: instead of the arguments above, one :class:`SamplingParams` (shared) or
-                one per prompt (the server's per-sequence parameters; also ``echo``).
+            top_logprobs: also return the n most likely tokens of r at each step (shared).
+            echo: also return the prompt's log-probs (``Generation.prompt_logprobs``).
 
-        Every sampling argument may be one value or a list with one entry per prompt.
+        Every sampling argument but ``top_logprobs`` may be one value or a list with one entry
+        per prompt. An unknown keyword is a TypeError; ``sampling`` with keywords a ValueError.
         """
         encoded = inputs.encode_prompts(self.tokenizer, prompts, self.vocab_size)
-        params = resolve_sampling(
-            len(encoded),
-            sampling,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop=stop,
-            seed=seed,
-            stop_at_eos=stop_at_eos,
-            top_logprobs=top_logprobs,
-        )
+        params = resolve_sampling(len(encoded), sampling, options)
         gens = [
             Generation("", [], [], [], [], None if p.logprobs is None else [], "length", ids)
             for ids, p in zip(encoded, params, strict=True)
@@ -441,29 +424,11 @@ class ProtectedLM:
         self,
         prompts: Prompts,
         *,
-        max_new_tokens: int | Sequence[int] = 32,
-        temperature: float | Sequence[float] = 0.0,
-        top_p: float | Sequence[float] = 1.0,
-        top_k: int | Sequence[int] = 0,
-        stop: str | Sequence[Any] | None = None,
-        seed: int | Sequence[int | None] | None = None,
-        stop_at_eos: bool = True,
-        top_logprobs: int = 0,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> Iterator[StepEvent]:
         """Like :meth:`generate`, but yields a :class:`StepEvent` per generated token as soon as
         it is produced (for the server). Arguments are validated before the first event."""
         encoded = inputs.encode_prompts(self.tokenizer, prompts, self.vocab_size)
-        params = resolve_sampling(
-            len(encoded),
-            sampling,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop=stop,
-            seed=seed,
-            stop_at_eos=stop_at_eos,
-            top_logprobs=top_logprobs,
-        )
+        params = resolve_sampling(len(encoded), sampling, options)
         return decoding.stream(self, encoded, params)

@@ -5,7 +5,7 @@ A runner runs the G models a protected model needs (the K constituents, only con
 "none", then the base model for the SCP methods' 'b' variant; paper §5.1) on one batch, with one
 set of KV caches, and returns every model's float32 logits stacked: ``Tensor[G, ...]``. Two
 runners exist: :class:`PerModelRunner` (one forward per model, any causal LMs) and
-``scpdr.lora_fast.StackedLoRA`` (LoRA adapters over one base: one stacked forward). Neither knows
+``scpdr.lora.StackedLoRA`` (LoRA adapters over one base: one stacked forward). Neither knows
 about aggregation; the runtime picks one in :mod:`scpdr.runtime.loading`.
 """
 

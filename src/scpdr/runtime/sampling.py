@@ -21,14 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
 
 from scpdr.runtime.stop_strings import check_stop, per_prompt_stop
 
-__all__ = ["SamplingParams", "make_generator", "resolve_sampling", "sample"]
+__all__ = ["SamplingOptions", "SamplingParams", "make_generator", "resolve_sampling", "sample"]
 
 
 def _is_int(x: Any) -> bool:
@@ -148,13 +148,42 @@ def _per_row(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
+class SamplingOptions(TypedDict, total=False):
+    """The sampling keyword arguments of ``ProtectedLM.generate``/``generate_stream``: those of
+    :meth:`SamplingParams.per_prompt` (each one value, or a list with one entry per prompt)."""
+
+    max_new_tokens: int | Sequence[int]
+    temperature: float | Sequence[float]
+    top_p: float | Sequence[float]
+    top_k: int | Sequence[int]
+    stop: str | Sequence[Any] | None
+    seed: int | Sequence[int | None] | None
+    stop_at_eos: bool | Sequence[bool]
+    top_logprobs: int
+    echo: bool | Sequence[bool]
+
+
 def resolve_sampling(
-    n: int, sampling: SamplingParams | Sequence[SamplingParams] | None, **kwargs: Any
+    n: int,
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+    options: SamplingOptions,
 ) -> list[SamplingParams]:
     """One :class:`SamplingParams` per prompt: ``sampling`` (one shared, or one per prompt), or
-    when it is None, :meth:`SamplingParams.per_prompt` of ``generate``'s keyword arguments."""
+    when it is None, :meth:`SamplingParams.per_prompt` of ``generate``'s keyword ``options``
+    (which must then be the only way the parameters are given)."""
+    unknown = sorted(set(options) - set(SamplingOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(unknown)}; the sampling arguments are "
+            f"{', '.join(SamplingOptions.__annotations__)} (or sampling=SamplingParams(...))"
+        )
     if sampling is None:
-        return SamplingParams.per_prompt(n, **kwargs)
+        return SamplingParams.per_prompt(n, **options)
+    if options:
+        raise ValueError(
+            f"pass the sampling parameters either as sampling= or as keyword arguments, not "
+            f"both (got sampling= and {', '.join(sorted(options))})"
+        )
     if isinstance(sampling, SamplingParams):
         return [sampling] * n
     params = list(sampling)

@@ -2,8 +2,8 @@
 10); ``docs/serving.md`` has the endpoints and the layout:
 
 - :mod:`~scpdr.serve.config`: :class:`ServeConfig`, every setting of ``scpdr serve``;
-- :mod:`~scpdr.serve.protocol`: pydantic request/response models; ``to_sampling_params``;
-- :mod:`~scpdr.serve.sampling`: :class:`SamplingParams`, how one sequence is decoded;
+- :mod:`~scpdr.serve.protocol`: pydantic request/response models; ``to_sampling_params`` (the
+  runtime's :class:`~scpdr.runtime.sampling.SamplingParams`, one per sequence);
 - :mod:`~scpdr.serve.engine`: :class:`Engine`, the dynamic-batching worker over ``ProtectedLM``;
 - :mod:`~scpdr.serve.serving`, :mod:`~scpdr.serve.completions`, :mod:`~scpdr.serve.chat`: the
   generation endpoints (one shared flow, two wire formats);
@@ -15,8 +15,8 @@
   port, :func:`run_server`, :func:`serve_in_background`.
 
 Importing this package imports nothing heavy: its names load on first use (PEP 562), so
-``scpdr --help`` reading :mod:`~scpdr.serve.config` imports neither FastAPI nor torch; torch is
-imported by the engine's worker thread when it starts.
+``scpdr --help`` reading :mod:`~scpdr.serve.config` imports neither FastAPI nor torch (the
+protocol and the engine import the runtime, hence torch).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from scpdr.serve.config import ServeConfig
     from scpdr.serve.engine import Engine, EngineError, EngineOverloadedError, EngineStoppedError
     from scpdr.serve.errors import APIError
-    from scpdr.serve.sampling import SamplingParams
     from scpdr.serve.server import PortUnavailableError, run_server, serve_in_background
 
 _HOMES = {
@@ -39,7 +38,6 @@ _HOMES = {
     "EngineOverloadedError": "engine",
     "EngineStoppedError": "engine",
     "PortUnavailableError": "server",
-    "SamplingParams": "sampling",
     "ServeConfig": "config",
     "create_app": "app",
     "run_server": "server",
@@ -53,7 +51,6 @@ __all__ = [
     "EngineOverloadedError",
     "EngineStoppedError",
     "PortUnavailableError",
-    "SamplingParams",
     "ServeConfig",
     "create_app",
     "run_server",

@@ -12,19 +12,17 @@ imports neither pydantic nor FastAPI.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from scpdr import methods
+from scpdr.device import DEVICE_PATTERN as _DEVICE
 from scpdr.errors import ConfigError
 
 __all__ = ["DEFAULT_MODEL_NAME", "ServeConfig", "option_spec"]
 
 #: The model id served when neither ``model_name`` nor a bundle names one.
 DEFAULT_MODEL_NAME = "scpdr"
-
-_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 def _f(
@@ -86,9 +84,6 @@ class ServeConfig:
         "Seconds an idle engine waits for more sequences before a batch.",
         min=0,
         option="--batch-wait",
-    )
-    score_chunk_tokens: int = _f(
-        1024, "Most padded prompt positions scored at once for echoed log-probs.", min=1
     )
 
     def __post_init__(self) -> None:

@@ -1,14 +1,16 @@
-"""The serving engine: a dynamic-batching scheduler over one :class:`~scpdr.protected.ProtectedLM`
+"""The serving engine: a dynamic-batching scheduler over one :class:`~scpdr.runtime.ProtectedLM`
 (STYLE.md 10, the "engine" of vLLM's protocol/engine/router split).
 
 One worker thread owns the model. HTTP handlers (on the asyncio event loop) submit *sequences*
-(one per prompt and choice) into a bounded FIFO queue; a full queue is an
-:class:`EngineOverloadedError` (HTTP 429). The worker drains up to ``max_batch`` sequences, scores
-the prompts of those that echo log-probs (teacher forcing, one batched call) and runs one batched
-``generate_stream`` for the rest with per-sequence sampling parameters, pushing every event back
-to the submitting request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. Concurrent
-requests therefore share model steps; a request that arrives while a batch runs waits for the
-next one (static batches, no preemption: simple and correct).
+(one per prompt and choice, each with the runtime's
+:class:`~scpdr.runtime.sampling.SamplingParams`) into a bounded FIFO queue; a full queue is an
+:class:`EngineOverloadedError` (HTTP 429). The worker drains up to ``max_batch`` sequences and
+runs one batched ``ProtectedLM.generate_stream(prompts, sampling=[...])`` over them, pushing
+every event back to the submitting request's ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``. A sequence with ``echo`` first gets its prompt's log-probs from
+the runtime (:class:`~scpdr.runtime.PromptLogprobs`, every prefix read as a fresh request).
+Concurrent requests therefore share model steps; a request that arrives while a batch runs waits
+for the next one (static batches, no preemption: simple and correct).
 
 Only aggregate quantities leave the worker: the aggregate log-probs log r(y|x), its top-k
 alternatives, and the certificate values k_x (Definition 2.1 with Theorems 2.3/2.7) and t_x
@@ -28,8 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scpdr.errors import ScpdrError
+from scpdr.runtime.outputs import PromptLogprobs
+from scpdr.runtime.sampling import SamplingParams
 from scpdr.serve.config import ServeConfig
-from scpdr.serve.sampling import SamplingParams
 
 __all__ = [
     "Engine",
@@ -59,20 +62,6 @@ class EngineStoppedError(EngineError):
 
 
 # ---- events pushed to a request's queue: (sequence index within the request, event) ----------
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Teacher-forced log-probs of the prompt under the aggregate (for echo).
-
-    Lists have ``len(prompt) - 1`` entries: entry i is about prompt token i + 1.
-    ``top_logprobs[i]`` holds ``(token_id, logprob)`` of the most likely tokens, best first.
-    """
-
-    token_logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    k_x: list[float]
-    t_x: list[float]
 
 
 @dataclass(frozen=True)
@@ -161,15 +150,12 @@ class Engine:
     """Dynamic batching over one protected model, run by a single worker thread.
 
     Args:
-        lm: a :class:`~scpdr.protected.ProtectedLM` (anything with its ``generate_stream`` and
-            ``score``).
+        lm: a :class:`~scpdr.runtime.ProtectedLM` (anything with its ``generate_stream``).
         max_batch: most sequences decoded together in one batched call.
         max_queue: most sequences waiting; beyond it :meth:`submit` raises
             :class:`EngineOverloadedError` (HTTP 429).
         batch_wait_s: after the first sequence arrives, wait this long for more before starting
             a batch (only when the worker was idle).
-        score_chunk_tokens: most padded prompt positions scored in one call for echo log-probs
-            (their full (B, T-1, V) aggregate distributions are held at once).
     """
 
     def __init__(
@@ -179,7 +165,6 @@ class Engine:
         max_batch: int = 8,
         max_queue: int = 256,
         batch_wait_s: float = 0.005,
-        score_chunk_tokens: int = 1024,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -189,7 +174,6 @@ class Engine:
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
         self.batch_wait_s = float(batch_wait_s)
-        self.score_chunk_tokens = int(score_chunk_tokens)
         self._queue: collections.deque[_Sequence] = collections.deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -207,7 +191,6 @@ class Engine:
             max_batch=config.max_batch,
             max_queue=config.max_queue,
             batch_wait_s=config.batch_wait_s,
-            score_chunk_tokens=config.score_chunk_tokens,
         )
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -329,99 +312,18 @@ class Engine:
                     self._running = 0
         logger.info("engine worker stopped")
 
-    def _execute(self, batch: list[_Sequence]) -> None:
-        echo = [s for s in batch if s.params.echo and s.params.logprobs is not None]
-        if echo:
-            self._score_prompts(echo)
-        gen = [s for s in batch if s.params.max_new_tokens > 0]
-        for s in batch:
-            if s.params.max_new_tokens == 0:
-                s.push(Finished("length"))
-        if gen:
-            self._generate(gen)
-
-    def _score_prompts(self, seqs: list[_Sequence]) -> None:
-        """Teacher-forced aggregate log-probs of each prompt (echo with logprobs): batched
-        ``score`` calls over right-padded prompts, in chunks of at most
-        ``score_chunk_tokens`` positions (the (B, T-1, V) distributions are held at once).
-
-        The chosen token's log-prob and the alternatives come from the same distribution
-        tensor, so a greedy token's value equals the best alternative's exactly (lm-eval's
-        ``is_greedy`` test compares them with ``==``).
-        """
-        seqs = [s for s in seqs if not s.cancelled]
-        chunk: list[_Sequence] = []
-        longest = 0
-        for s in sorted(seqs, key=lambda s: len(s.prompt_ids)):
-            longest = max(longest, len(s.prompt_ids))
-            if chunk and (len(chunk) + 1) * longest > self.score_chunk_tokens:
-                self._score_chunk(chunk)
-                chunk, longest = [], len(s.prompt_ids)
-            chunk.append(s)
-        if chunk:
-            self._score_chunk(chunk)
-
-    def _score_chunk(self, seqs: list[_Sequence]) -> None:
-        import torch
-
-        t = max(len(s.prompt_ids) for s in seqs)
-        if t < 2:
-            for s in seqs:
-                s.push(PromptLogprobs([], [], [], []))
-            return
-        ids = torch.zeros((len(seqs), t), dtype=torch.long)  # (B, T), right padding
-        mask = torch.zeros((len(seqs), t), dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, : len(s.prompt_ids)] = torch.tensor(s.prompt_ids, dtype=torch.long)
-            mask[b, : len(s.prompt_ids)] = 1
-        k = max(s.params.logprobs or 0 for s in seqs)
-        out = self.lm.score(ids, mask, full=k > 0, k_x=True, t_x=True)
-        targets = ids[:, 1:]  # (B, T-1)
-        if k > 0:
-            full = out.logprobs.float()  # (B, T-1, V): log r(. | prompt[:i+1])
-            chosen = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
-            vals, idx = full.topk(min(k, full.shape[-1]), dim=-1)  # (B, T-1, k)
-            vals_l, idx_l = vals.tolist(), idx.tolist()
-            del full
-        else:
-            chosen = out.token_logprobs.float()  # (B, T-1)
-            vals_l = idx_l = []
-        chosen_l = chosen.tolist()
-        kx_l, tx_l = out.k_x.float().tolist(), out.t_x.float().tolist()
-        for b, s in enumerate(seqs):
-            n = len(s.prompt_ids) - 1
-            ks = s.params.logprobs or 0
-            top = [
-                list(zip(idx_l[b][i][:ks], vals_l[b][i][:ks], strict=True)) if ks else []
-                for i in range(n)
-            ]
-            s.push(PromptLogprobs(chosen_l[b][:n], top, kx_l[b][:n], tx_l[b][:n]))
-
-    def _generate(self, seqs: list[_Sequence]) -> None:
-        """One batched ``generate_stream`` over ``seqs``, per-sequence sampling parameters."""
-        params = [s.params for s in seqs]
-        if len({p.stop_at_eos for p in params}) > 1:  # one flag per generate_stream call
-            for flag in (True, False):
-                part = [s for s in seqs if s.params.stop_at_eos is flag]
-                if part:
-                    self._generate(part)
-            return
-        ks = [p.logprobs or 0 for p in params]
+    def _execute(self, seqs: list[_Sequence]) -> None:
+        """One batched ``generate_stream`` over ``seqs``, each with its own sampling parameters
+        (the runtime scores the prompts of those with ``echo`` first)."""
         it = self.lm.generate_stream(
-            [s.prompt_ids for s in seqs],
-            max_new_tokens=[p.max_new_tokens for p in params],
-            temperature=[p.temperature for p in params],
-            top_p=[p.top_p for p in params],
-            top_k=[p.top_k for p in params],
-            stop=[list(p.stop) for p in params],  # one list per prompt
-            seed=[p.seed for p in params],
-            stop_at_eos=params[0].stop_at_eos,
-            top_logprobs=max(ks),  # one count per call; each sequence keeps its own k below
+            [s.prompt_ids for s in seqs], sampling=[s.params for s in seqs]
         )
         finished: set[int] = set()
         try:
             for ev in it:
                 seq = seqs[ev.index]
+                if ev.prompt is not None:
+                    seq.push(ev.prompt)
                 if ev.token_id is not None:
                     seq.push(
                         TokenOutput(
@@ -430,10 +332,7 @@ class Engine:
                             logprob=float(ev.logprob),
                             k_x=float(ev.k_x),
                             t_x=float(ev.t_x),
-                            top_logprobs=[
-                                (int(t), float(v))
-                                for t, v in (ev.top_logprobs or [])[: ks[ev.index]]
-                            ],
+                            top_logprobs=[(int(t), float(v)) for t, v in ev.top_logprobs or []],
                         )
                     )
                 if ev.finish_reason is not None:

@@ -3,8 +3,8 @@
 
 Requests are validated here, before anything reaches the model: a malformed request becomes a
 400 with the OpenAI error shape (:mod:`scpdr.serve.errors`), never a 500. A request's
-``to_sampling_params`` builds the :class:`~scpdr.serve.sampling.SamplingParams` of each of its
-sequences. Everything a response can carry is the *aggregate* distribution r(·|x) of the protected
+``to_sampling_params`` builds the runtime's :class:`~scpdr.runtime.sampling.SamplingParams` of
+each of its sequences. Everything a response can carry is the *aggregate* distribution r(·|x) of the protected
 model (the paper's black-box TDE game, Definition 4.2 of ``shared/paper/scp_dr.tex``); no field
 exists for a constituent's distribution.
 
@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from scpdr.serve.sampling import SamplingParams
+from scpdr.runtime.sampling import SamplingParams
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -142,7 +142,9 @@ class _SamplingFields(_Request):
         self, *, max_new_tokens: int, choice: int, logprobs: int | None, echo: bool
     ) -> SamplingParams:
         """Choice ``choice``'s sampling parameters, with OpenAI's defaults filled in
-        (temperature 1, top_p 1, top_k off) and its seed ``seed + choice``."""
+        (temperature 1, top_p 1, top_k off) and its seed ``seed + choice``. ``echo`` is the
+        runtime's: score the prompt (only asked for when its log-probs are served; the echoed
+        text itself is the endpoint's)."""
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=1.0 if self.temperature is None else float(self.temperature),
@@ -231,7 +233,10 @@ class CompletionRequest(_SamplingFields):
         """Sequence ``choice`` of a prompt (``max_new_tokens``: ``max_tokens`` checked against
         the context, or the room left in it when ``max_tokens`` is null)."""
         return self._sampling_params(
-            max_new_tokens=max_new_tokens, choice=choice, logprobs=self.logprobs, echo=self.echo
+            max_new_tokens=max_new_tokens,
+            choice=choice,
+            logprobs=self.logprobs,
+            echo=self.echo and self.logprobs is not None,
         )
 
     def prompts(self) -> list[str] | list[list[int]]:

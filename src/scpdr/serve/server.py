@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from scpdr import methods
+from scpdr.device import resolve_device
 from scpdr.errors import ConfigError
 from scpdr.serve.config import ServeConfig
 
@@ -72,23 +73,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def resolve_device(device: str | None) -> str:
-    """``device``, or "cuda" when CUDA is available and "cpu" otherwise.
-
-    Raises:
-        ConfigError: CUDA was asked for and is not available.
-    """
-    import torch
-
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(
-            f"--device {device}: no CUDA device is available to torch here; use --device cpu"
-        )
-    return device
-
-
 def check_bundle(bundle: str | os.PathLike[str], config: ServeConfig) -> Any:
     """``bundle``'s manifest, with the settings the server would run checked against it: the
     smoothing level m below the vocabulary size and the SCP base available (the errors name the
@@ -124,9 +108,9 @@ def check_bundle(bundle: str | os.PathLike[str], config: ServeConfig) -> Any:
 
 
 def load_protected(bundle: str | os.PathLike[str], config: ServeConfig, *, device: str) -> Any:
-    """The :class:`~scpdr.protected.ProtectedLM` of ``bundle`` with the config's method, m and
+    """The :class:`~scpdr.runtime.ProtectedLM` of ``bundle`` with the config's method, m and
     base, on ``device``. Raises what ``ProtectedLM.from_bundle`` raises."""
-    from scpdr.protected import ProtectedLM
+    from scpdr.runtime import ProtectedLM
 
     return ProtectedLM.from_bundle(
         bundle, method=config.method, m=config.m, base=config.base, device=device

@@ -1,7 +1,7 @@
 """What both generation endpoints share (after vLLM's ``entrypoints/openai/serving_engine.py``):
 the serving state (model facts, a front-end tokenizer, request validation, the ``naf`` object) and
 :class:`GenerationEndpoint`, the one flow of ``/v1/completions`` and ``/v1/chat/completions``:
-validate, build one :class:`~scpdr.serve.sampling.SamplingParams` per prompt and choice, submit to
+validate, build one :class:`~scpdr.runtime.sampling.SamplingParams` per prompt and choice, submit to
 the engine, then stream the endpoint's SSE events or collect every choice into its response.
 """
 
@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from scpdr import methods
+from scpdr.runtime.sampling import SamplingParams
 from scpdr.serve.certificate import build_certificate
 from scpdr.serve.config import ServeConfig
 from scpdr.serve.engine import (
@@ -42,7 +43,6 @@ from scpdr.serve.protocol import (
     NafCertificate,
     Usage,
 )
-from scpdr.serve.sampling import SamplingParams
 from scpdr.serve.tokens import TokenText
 
 __all__ = ["Choice", "GenerationEndpoint", "Run", "ServingState", "json_response", "sse"]
@@ -54,23 +54,11 @@ Sequences = list[tuple[list[int], SamplingParams]]
 
 
 def context_length(lm: Any) -> int:
-    """Most tokens (prompt + completion) the protected model takes: the smallest
-    ``max_position_embeddings`` of the models it runs."""
-    for attr in ("max_length", "context_length"):
-        v = getattr(lm, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    models = [*getattr(lm, "constituents", []), getattr(lm, "base_model", None)]
-    sizes = [
-        getattr(getattr(mdl, "config", None), "max_position_embeddings", None) for mdl in models
-    ]
-    sizes = [v for v in sizes if isinstance(v, int) and v > 0]
-    if sizes:
-        return min(sizes)
-    tok_max = getattr(lm.tokenizer, "model_max_length", None)
-    if isinstance(tok_max, int) and 0 < tok_max < 10**7:
-        return tok_max
-    return 2048
+    """Most tokens (prompt + completion) the protected model takes: ``lm.context_length`` (the
+    smallest ``max_position_embeddings`` of the models it runs, else the tokenizer's limit), or
+    2048 when it is unknown."""
+    n = getattr(lm, "context_length", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 2048
 
 
 class ServingState:

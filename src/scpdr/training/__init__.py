@@ -4,6 +4,9 @@
   the experiment's YAML ``train:`` section, ``scpdr train``'s options);
 - :mod:`~scpdr.training.sequences`: records → packed or padded sequences → batches;
 - :mod:`~scpdr.training.goldfish`: the goldfish loss mask (Hans et al. 2024);
+- :mod:`~scpdr.training.plan`: :func:`fit_to_data`, packing/batch/warm-up sized to the records,
+  and the :class:`TrainPlan` printed before training (with a warning when it cannot learn);
+- :mod:`~scpdr.training.progress`: a rich progress bar per constituent;
 - :mod:`~scpdr.training.finetune`: :func:`finetune`, one resumable, atomic run;
 - :mod:`~scpdr.training.bundle`: :func:`train_bundle`, every constituent and the bundle.
 
@@ -17,6 +20,7 @@ from scpdr.training.bundle import train_bundle
 from scpdr.training.config import LORA_TARGET_MODULES, PAPER_DEFAULTS, TrainConfig, make_config
 from scpdr.training.finetune import TRAIN_INFO, finetune
 from scpdr.training.goldfish import GOLDFISH_H, GOLDFISH_K, goldfish_mask
+from scpdr.training.plan import TrainPlan, example_lengths, fit_to_data
 from scpdr.training.sequences import CausalCollator, build_sequences
 
 __all__ = [
@@ -27,9 +31,12 @@ __all__ = [
     "TRAIN_INFO",
     "CausalCollator",
     "TrainConfig",
+    "TrainPlan",
     "audit_for_bundle",
     "build_sequences",
+    "example_lengths",
     "finetune",
+    "fit_to_data",
     "goldfish_mask",
     "make_config",
     "train_bundle",

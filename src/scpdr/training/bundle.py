@@ -14,6 +14,7 @@ from scpdr.data.pipeline import PreparedPartitions, audit_for_bundle
 from scpdr.errors import ConfigError
 from scpdr.training.config import TrainConfig, make_config
 from scpdr.training.finetune import finetune
+from scpdr.training.placement import is_main_process, main_process_first, wait_for_everyone
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback
@@ -34,6 +35,7 @@ def train_bundle(
     m: int = 10,
     constant_base_prompts: Sequence[str] | None = None,
     callbacks: Sequence[TrainerCallback] = (),
+    device: str | None = None,
 ) -> Path:
     """Audit the partitions, train one constituent per partition, and write a bundle in ``out``.
 
@@ -46,7 +48,11 @@ def train_bundle(
     :class:`~scpdr.errors.PartitionAuditError` unless ``allow_failed_audit``, which is recorded in
     the bundle's ``audit`` field) or what :func:`scpdr.data.prepare_partitions` returned (its
     audit is used). ``base`` is ``"embedded"`` or a model directory. Re-running resumes:
-    finished constituents are kept.
+    finished constituents are kept. ``device``: where to train (:func:`finetune`).
+
+    Under ``accelerate launch`` every process calls this with the same data; the constituents are
+    trained by all of them together, and only the main process writes the partitions and the
+    bundle (:mod:`scpdr.training.placement`).
     """
     from scpdr.models import constant_base_vector, load_model, load_tokenizer, write_bundle
 
@@ -57,16 +63,17 @@ def train_bundle(
         pset, audit = data, None
     out = Path(out)
     pdir = out / "partitions"
-    if (pdir / "manifest.json").is_file():
-        saved = load_partitions(pdir)
-        if saved.manifest.sha256() != pset.manifest.sha256():
-            raise ConfigError(
-                f"{out} already holds different partitions; choose another --out directory"
-            )
-    if audit is None:
-        audit = audit_for_bundle(pset, allow_failed_audit=allow_failed_audit)
-    if not (pdir / "manifest.json").is_file():
-        save_partitions(pdir, pset)
+    with main_process_first():  # the main process saves the partitions, the others read them
+        if (pdir / "manifest.json").is_file():
+            saved = load_partitions(pdir)
+            if saved.manifest.sha256() != pset.manifest.sha256():
+                raise ConfigError(
+                    f"{out} already holds different partitions; choose another --out directory"
+                )
+        if audit is None:
+            audit = audit_for_bundle(pset, allow_failed_audit=allow_failed_audit)
+        if not (pdir / "manifest.json").is_file() and is_main_process():
+            save_partitions(pdir, pset)
 
     refs = []
     for i, part in enumerate(pset.parts):
@@ -74,16 +81,27 @@ def train_bundle(
             raise ConfigError(f"partition {i} is empty; use fewer partitions or more data")
         logger.info("training constituent %d/%d on %d records", i + 1, pset.k, len(part))
         refs.append(
-            finetune(part, base=base, config=cfg, out=out / f"constituent-{i}", callbacks=callbacks)
+            # the config as given: finetune sizes what it leaves unset to the partition
+            finetune(
+                part,
+                base=base,
+                config=config,
+                out=out / f"constituent-{i}",
+                callbacks=callbacks,
+                device=device,
+            )
         )
 
+    if not is_main_process():  # the main process writes the bundle
+        wait_for_everyone()
+        return out
     prompts = list(constant_base_prompts or [r.text for r in pset.validation[:100]])
     vec = None
     if prompts:
         base_model = load_model(base)
         vec = constant_base_vector(base_model, load_tokenizer(base), prompts)
         del base_model
-    return write_bundle(
+    path = write_bundle(
         out,
         base=base,
         constituents=refs,
@@ -99,3 +117,5 @@ def train_bundle(
             "canaries": "partitions/canaries.json" if pset.canaries is not None else None,
         },
     )
+    wait_for_everyone()
+    return path

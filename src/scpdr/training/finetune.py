@@ -27,6 +27,14 @@ from scpdr.data.records import Record, records_hash
 from scpdr.errors import ConfigError
 from scpdr.io import atomic_write_json, read_json
 from scpdr.training.config import TrainConfig, make_config
+from scpdr.training.placement import (
+    full_state_dict,
+    placement_info,
+    resolve_optim,
+    select_device,
+    training_device,
+)
+from scpdr.training.plan import example_lengths, fit_to_data
 from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,6 +85,7 @@ def finetune(
     out: str | os.PathLike[str],
     overwrite: bool = False,
     callbacks: Sequence[TrainerCallback] = (),
+    device: str | None = None,
 ) -> Path:
     """Fine-tune ``base`` on ``records`` and write the result to ``out`` (atomically).
 
@@ -85,10 +94,16 @@ def finetune(
         base: ``"embedded"``, a model directory (HF or anything :func:`scpdr.models.load_model`
             reads), or a ``(model, tokenizer)`` pair (copied, never modified).
         config: a :class:`TrainConfig` (or its dict); default: the paper's full fine-tuning.
+            Fields left unset (packing, batch size, warm-up) are sized to the records
+            (:func:`~scpdr.training.plan.fit_to_data`); the plan is in ``train_info.json``.
         out: the output directory: model safetensors (or a PEFT adapter for LoRA), tokenizer,
             and ``train_info.json`` (config, seeds, losses, time, data hash).
         overwrite: replace an existing ``out`` trained with different settings.
         callbacks: extra ``transformers.TrainerCallback`` objects.
+        device: ``cpu``, ``cuda`` or ``cuda:N`` (default: cuda when available); under
+            ``accelerate launch`` each process uses its rank's device
+            (:mod:`scpdr.training.placement`). An 8-bit optimizer falls back to ``adamw_torch``
+            where it cannot run (recorded in ``train_info.json``).
 
     Resuming: the run trains in ``<out>.tmp-<fingerprint>``; calling ``finetune`` again with the
     same records, base and config after an interruption resumes from the last checkpoint there
@@ -100,13 +115,16 @@ def finetune(
     from transformers import Trainer, TrainingArguments
 
     cfg = make_config(config)  # resolved: the paper defaults filled in
+    dev = training_device(device)
+    optim = resolve_optim(cfg.optim, dev)
     records = list(records)
     if not records:
         raise ConfigError("finetune needs at least one record")
     out = Path(out)
     base_key = os.fspath(base) if not isinstance(base, tuple) else "in-memory"
     data_hash = records_hash(records)
-    fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}".encode()).hexdigest()
+    swapped = f"|optim={optim}" if optim != cfg.optim else ""  # another optimizer's checkpoints
+    fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}{swapped}".encode()).hexdigest()
     tmp = _tmp_dir(out, fp)
 
     info_path = out / TRAIN_INFO
@@ -128,6 +146,11 @@ def finetune(
     model, tok, base_ref = _load_base(base)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    # sizing to the data (training/plan.py): packing, batch and warm-up the caller left unset
+    cfg, plan = fit_to_data(config, example_lengths(records, tok), name=out.name)
+    logger.debug("plan of %s:\n%s", out, plan.summary())
+    for warning in plan.warnings():
+        logger.warning("%s: %s", out.name, warning)
     rows = build_sequences(
         records,
         tok,
@@ -151,7 +174,7 @@ def finetune(
     resume = _latest_checkpoint(tmp) if tmp.is_dir() else None
     if resume is not None:
         logger.info("resuming %s from %s", out, resume)
-    use_cpu = not torch.cuda.is_available()
+    select_device(dev)
     args = TrainingArguments(
         output_dir=str(tmp),
         num_train_epochs=float(cfg.epochs),
@@ -163,7 +186,7 @@ def finetune(
         warmup_steps=cfg.warmup_steps,
         max_grad_norm=cfg.max_grad_norm,
         weight_decay=cfg.weight_decay,
-        optim=cfg.optim,
+        optim=optim,
         neftune_noise_alpha=cfg.neftune_alpha or None,
         seed=cfg.seed,
         data_seed=cfg.seed,
@@ -173,10 +196,11 @@ def finetune(
         logging_steps=cfg.logging_steps,
         logging_first_step=True,
         report_to="none",
-        disable_tqdm=not cfg.progress,
+        disable_tqdm=True,  # a rich bar per constituent instead (training/progress.py)
         bf16=cfg.bf16,
         activation_checkpointing=cfg.gradient_checkpointing,
-        use_cpu=use_cpu,
+        use_cpu=dev == "cpu",
+        ddp_find_unused_parameters=False,  # every trainable weight is used in the forward
         dataloader_num_workers=0,
         remove_unused_columns=False,
     )
@@ -190,16 +214,25 @@ def finetune(
         callbacks=list(callbacks),
     )
     trainer.add_callback(_skip_final_checkpoint())
-    if not cfg.progress:  # the Trainer then prints logs to stdout; log them instead
-        from transformers.trainer_callback import PrinterCallback
+    # the Trainer prints its logs to stdout: a progress bar shows them, or they are logged
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-        trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if cfg.progress:
+        from scpdr.training.progress import progress_callback
+
+        trainer.add_callback(progress_callback(out.name))
+    else:
         trainer.add_callback(_log_callback())
     t0 = time.time()
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     elapsed = time.time() - t0
 
     stage = tmp / "final"
+    gathered = full_state_dict(trainer)  # FSDP: every process hands in its shards
+    if gathered is not None and merge_lora:
+        raise ConfigError("merge_lora under FSDP: save the adapter (merge_lora: false)")
     if trainer.is_world_process_zero():
         shutil.rmtree(stage, ignore_errors=True)
         final_model = trainer.model
@@ -210,13 +243,16 @@ def finetune(
                 final_model = final_model.merge_and_unload()
         if cfg.lora and not merge_lora:
             # the frozen embeddings are the base's: keep them out of the adapter
-            final_model.save_pretrained(str(stage), save_embedding_layers=False)
+            final_model.save_pretrained(
+                str(stage), save_embedding_layers=False, state_dict=gathered
+            )
         else:
-            final_model.save_pretrained(str(stage))
+            final_model.save_pretrained(str(stage), state_dict=gathered)
         tok.save_pretrained(str(stage))
         info = {
             "fingerprint": fp,
             "config": cfg.model_dump(mode="json"),
+            "plan": plan.to_dict(),
             "base": base_ref,
             "seeds": {"seed": cfg.seed, "data_seed": cfg.seed},
             "data": {
@@ -237,6 +273,7 @@ def finetune(
                 "python": platform.python_version(),
             },
             "adapter": bool(cfg.lora and not merge_lora),
+            "placement": placement_info(trainer, dev, optim),
         }
         atomic_write_json(stage / TRAIN_INFO, info)
         if out.exists():

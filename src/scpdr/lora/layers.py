@@ -1,4 +1,4 @@
-"""The layers of the shared-base LoRA fast path (:mod:`scpdr.lora_fast`, issue 8; paper App. E)
+"""The layers of the shared-base LoRA fast path (:mod:`scpdr.lora`, issue 8; paper App. E)
 and the choice of their matmul kernel (issue 14).
 
 Every ``nn.Linear`` of the shared base becomes a :class:`StackedLoraLinear`: the base matmul of
@@ -33,7 +33,7 @@ from scpdr.kernels.gemm import (
     unpack_panels,
 )
 
-logger = logging.getLogger("scpdr.lora_fast")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_IN_FEATURES",

@@ -1,4 +1,4 @@
-"""The shared-base LoRA fast path (scpdr.lora_fast) against the general path on tiny real models.
+"""The shared-base LoRA fast path (scpdr.lora) against the general path on tiny real models.
 
 The general path loads every adapter merged into its own copy of the base (scpdr.models), one
 forward per model; the fast path runs base + K adapters as one stacked batch. Every method must
@@ -18,12 +18,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scpdr import kernels, lora_fast, methods, models, testing
+from scpdr import kernels, methods, models, testing
 from scpdr.kernels.gemm import pack_panels, unpack_panels
-from scpdr.lora_fast import (
+from scpdr.lora import (
+    GroupMode,
     LoraAdapter,
+    PackedEmbedding,
     StackedLoRA,
+    StackedLoraLinear,
     UnsupportedAdapterError,
+    checkpoint_weight_source,
     read_lora_adapter,
     save_random_lora,
     stacked_from_bundle,
@@ -191,7 +195,7 @@ def test_fast_path_matches_general_path(lora, stacks, k, method, variant):
 
 
 def test_from_bundle_detects_lora_constituents(lora, caplog):
-    with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
+    with caplog.at_level(logging.INFO, logger="scpdr.lora"):
         lm = ProtectedLM.from_bundle(lora["bundle"], method="scp-delta-r")
     assert "LoRA fast path on" in caplog.text
     assert lm.fast_path.on and "4 groups (3 with LoRA adapters)" in lm.fast_path.reason
@@ -252,7 +256,7 @@ def test_sampling_matches_general_path(lora, stacks):
 
 
 def _wrapped(stack):
-    return [m for m in stack.model.modules() if isinstance(m, lora_fast.StackedLoraLinear)]
+    return [m for m in stack.model.modules() if isinstance(m, StackedLoraLinear)]
 
 
 def _tiny_llama(seed, *, wide):
@@ -350,7 +354,7 @@ def test_wide_weights_from_checkpoint_source(tmp_path, use_kernel):
         want = model(input_ids=ids).logits
         model.get_submodule(name).weight += 0.5 * b @ a
         want_lora = model(input_ids=ids).logits
-    good = lora_fast.checkpoint_weight_source(tmp_path / "m")
+    good = checkpoint_weight_source(tmp_path / "m")
     assert torch.equal(good(name), models.load_model(tmp_path / "m").get_submodule(name).weight)
     assert good("model.layers.0.mlp.nothing") is None
 
@@ -402,7 +406,7 @@ def test_full_model_constituent_falls_back_with_reason(lora, caplog):
     path = models.write_bundle(
         root / "bundle-mixed", base=root / "base", constituents=[lora["refs"][0], root / "full"]
     )
-    with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
+    with caplog.at_level(logging.INFO, logger="scpdr.lora"):
         lm = ProtectedLM.from_bundle(path, method="scp-delta-r")
     assert not lm.fast_path.on and "full model, not a LoRA adapter" in lm.fast_path.reason
     assert "LoRA fast path off" in caplog.text and "full model, not a LoRA adapter" in caplog.text
@@ -424,7 +428,7 @@ def test_full_model_constituent_falls_back_with_reason(lora, caplog):
 def _off_reason(manifest, caplog, **kw):
     kw = {"method": "scp-delta-r", "base": "model", **kw}
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="scpdr.lora_fast"):
+    with caplog.at_level(logging.INFO, logger="scpdr.lora"):
         assert stacked_from_bundle("/", manifest, **kw) is None
     assert "LoRA fast path off" in caplog.text
     return caplog.text
@@ -500,7 +504,7 @@ def _packed_layer(gen, n_in, n_out, rank, groups_with_lora, bias):
     if groups_with_lora:
         a = torch.randn(groups_with_lora, n_in, rank, generator=gen)
         b = torch.randn(groups_with_lora, rank, n_out, generator=gen)
-    mode = lora_fast.GroupMode()
+    mode = GroupMode()
     return layer, a, b, mode
 
 
@@ -527,7 +531,7 @@ def test_packed_kernel_equals_its_torch_reference(
     gen = torch.Generator().manual_seed(seed)
     lora = min(lora, groups)
     layer, a, b, mode = _packed_layer(gen, n_in, n_out, rank, lora, bias)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
+    lin = StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     assert lin.weight_packed is not None
     torch.testing.assert_close(lin.weight, layer.weight, atol=0, rtol=0)  # lossless layout
     x = torch.randn(groups * rows, n_in, generator=gen)
@@ -550,7 +554,7 @@ def test_packed_layer_keeps_autograd_through_the_torch_reference():
     """With a graph to build, the packed layer runs its torch reference: gradients reach x."""
     gen = torch.Generator().manual_seed(0)
     layer, a, b, mode = _packed_layer(gen, 10, 70, 3, 2, True)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
+    lin = StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     mode.stacked = 2
     x = torch.randn(4, 10, generator=gen, requires_grad=True)
     y = lin(x)
@@ -593,7 +597,7 @@ def test_tied_embeddings_are_read_from_the_packed_head():
     with kernels.force("packed_gemm", "kernel"):
         stack = StackedLoRA(model, [adapter, None], ["a", "base"], release_adapters=True)
     packed_emb = stack.model.get_input_embeddings()
-    assert isinstance(packed_emb, lora_fast.PackedEmbedding)
+    assert isinstance(packed_emb, PackedEmbedding)
     assert packed_emb.head is stack.model.get_output_embeddings()
     ids = torch.tensor([[0, 1, 63, 64, 65, 96], [5, 5, 0, 95, 96, 2]])
     assert torch.equal(packed_emb(ids), emb[ids])
@@ -608,7 +612,7 @@ def test_packed_kernel_gives_the_same_bits_on_any_thread_count(rows):
     same order, so 1 and 2 threads agree bit for bit (and with the torch reference)."""
     gen = torch.Generator().manual_seed(rows)
     layer, a, b, mode = _packed_layer(gen, 576, 1000, 64, 3, False)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
+    lin = StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     mode.stacked = 3
     x = torch.randn(3 * rows, 576, generator=gen)
     n = torch.get_num_threads()
@@ -631,7 +635,7 @@ def test_packed_layer_takes_other_dtypes_through_the_reference():
     and the output keeps the input's dtype."""
     gen = torch.Generator().manual_seed(1)
     layer, a, b, mode = _packed_layer(gen, 32, 70, 4, 1, False)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
+    lin = StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     mode.single = 0
     x = torch.randn(5, 32, generator=gen)
     with torch.inference_mode():
@@ -650,7 +654,7 @@ def test_packed_layer_edge_cases():
 
     gen = torch.Generator().manual_seed(3)
     layer, a, b, mode = _packed_layer(gen, 8, 70, 0, 1, False)
-    lin = lora_fast.StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
+    lin = StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
     mode.stacked = 2
     x = torch.randn(4, 8, generator=gen)
     with torch.inference_mode():

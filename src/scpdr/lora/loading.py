@@ -1,0 +1,152 @@
+"""Engaging the shared-base runner for a bundle (:mod:`scpdr.lora`): detect whether every model a
+method runs is a LoRA adapter over one common base (or that base itself), build the
+:class:`~scpdr.lora.runner.StackedLoRA`, or say why not (logged at INFO; the runtime then uses
+the general path). ``SCPDR_LORA_FAST=0`` turns the fast path off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError, read_lora_adapter
+from scpdr.lora.runner import StackedLoRA
+
+if TYPE_CHECKING:  # pragma: no cover
+    from scpdr.models import BundleManifest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ENV_SWITCH", "checkpoint_weight_source", "fast_path_from_bundle", "stacked_from_bundle"]
+
+#: Environment variable: set to "0" to turn the fast path off (the general path is then used).
+ENV_SWITCH = "SCPDR_LORA_FAST"
+
+
+def checkpoint_weight_source(model_dir: str | os.PathLike[str]) -> Callable[[str], Tensor | None]:
+    """``module name -> its weight`` read from the safetensors checkpoint in ``model_dir``
+    (``model.safetensors`` or a sharded index), or None when absent. Each call opens its file
+    with its own memory map, released once the returned tensor is dropped."""
+    d = Path(os.fspath(model_dir))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = {k: d / v for k, v in weight_map.items()}
+    else:
+        files = None
+
+    def read(name: str) -> Tensor | None:
+        from safetensors import safe_open
+
+        key = f"{name}.weight"
+        f = files.get(key) if files is not None else d / "model.safetensors"
+        if f is None or not f.is_file():
+            return None
+        with safe_open(str(f), framework="pt") as fh:
+            return fh.get_tensor(key) if key in fh.keys() else None
+
+    return read
+
+
+def _canonical(ref: str) -> str:
+    from scpdr.models import EMBEDDED, base_model_dir
+
+    if ref == EMBEDDED:
+        return str(base_model_dir().resolve())
+    return str(Path(ref).resolve())
+
+
+def stacked_from_bundle(
+    path: str | os.PathLike[str],
+    manifest: BundleManifest,
+    *,
+    method: str,
+    base: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> StackedLoRA | None:
+    """The fast path for a bundle, or None (general path) with the reason logged at INFO; see
+    :func:`fast_path_from_bundle`."""
+    return fast_path_from_bundle(
+        path, manifest, method=method, base=base, dtype=dtype, device=device
+    )[0]
+
+
+def fast_path_from_bundle(
+    path: str | os.PathLike[str],
+    manifest: BundleManifest,
+    *,
+    method: str,
+    base: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[StackedLoRA | None, str]:
+    """``(stack, why)``: the fast path for a bundle, or ``(None, why not)`` (the general path);
+    the reason is also logged at INFO.
+
+    Groups, in the runtime's run order: the constituents (all for every method but "none"),
+    then the bundle's base when the method is an SCP rule with ``base="model"`` (variant 'b').
+    Each group must be a LoRA adapter over one common base or that base itself.
+    """
+    from scpdr import methods
+    from scpdr.models import load_model, ref_kind
+
+    def off(reason: str) -> tuple[None, str]:
+        logger.info("LoRA fast path off for bundle %s: %s; using the general path", path, reason)
+        return None, reason
+
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return off(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}")
+    if method == "none":
+        return off("method 'none' runs one model (the merged adapter is as fast)")
+    scp_b = method in methods.SMOOTHED_RULES and base == "model"
+    if scp_b and manifest.base is None:
+        return off("the bundle has no base model")
+    refs = [manifest.resolve(path, r) for r in manifest.constituents]
+    names = list(manifest.constituents)
+    if scp_b:
+        refs.append(manifest.resolve(path, str(manifest.base)))
+        names.append("base")
+    adapters: list[LoraAdapter | None] = []
+    for ref, name in zip(refs, names, strict=True):
+        try:
+            kind = ref_kind(ref)
+        except FileNotFoundError as exc:
+            return off(str(exc))
+        if kind != "peft":
+            adapters.append(None)  # must be the common base itself (checked below)
+            continue
+        try:
+            adapters.append(read_lora_adapter(ref))
+        except (UnsupportedAdapterError, FileNotFoundError) as exc:
+            return off(f"{name}: {exc}")
+    bases = {_canonical(a.base_ref) for a in adapters if a is not None}
+    if not bases:
+        return off("no constituent is a LoRA adapter")
+    if len(bases) > 1:
+        return off(f"the adapters have different base models ({', '.join(sorted(bases))})")
+    common = next(iter(bases))
+    for ref, name, a in zip(refs, names, adapters, strict=True):
+        if a is None and _canonical(ref) != common:
+            return off(f"{name} ({ref}) is a full model, not a LoRA adapter over {common}")
+    model = load_model(common, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    source = checkpoint_weight_source(common) if Path(common).is_dir() else None
+    try:
+        stack = StackedLoRA(model, adapters, names, weight_source=source, release_adapters=True)
+    except UnsupportedAdapterError as exc:
+        return off(str(exc))
+    why = (
+        f"{stack.num_groups} groups ({sum(a is not None for a in adapters)} with LoRA adapters) "
+        f"over {common} in one forward"
+    )
+    logger.info("LoRA fast path on for bundle %s: %s", path, why)
+    return stack, why

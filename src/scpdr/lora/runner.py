@@ -1,0 +1,339 @@
+"""The shared-base runner (:mod:`scpdr.lora`; paper App. E): one base model and G groups (LoRA
+adapters over it, or the base itself) run as one stacked batch of G·B rows (row ``g·B + b`` is
+row b of group g), with one KV cache. It implements the runner protocol of
+:mod:`scpdr.runtime.runner` and never imports ``ProtectedLM``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from scpdr.kernels.gemm import GemmLibrary, pack_panels
+from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError
+from scpdr.lora.layers import (
+    GroupMode,
+    PackedEmbedding,
+    StackedLoraLinear,
+    choose_gemm,
+    packable,
+    source_weight,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedModel
+
+__all__ = ["LoraGroupView", "StackedLoRA", "new_stacked_cache"]
+
+
+@functools.lru_cache(maxsize=1)
+def _stacked_cache_class() -> type:
+    from transformers import DynamicCache
+
+    class StackedCache(DynamicCache):
+        """A ``DynamicCache`` whose batch holds G groups of B rows (row ``g·B + b``):
+        ``batch_select_indices(idx)``, with indices among the B rows, keeps them in every group."""
+
+        def __init__(self, groups: int) -> None:
+            super().__init__()
+            self.groups = groups
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            live = [x for x in self.layers if getattr(x, "keys", None) is not None]
+            if not live or live[0].keys.numel() == 0:
+                return
+            rows = live[0].keys.shape[0] // self.groups
+            idx = indices.to(live[0].keys.device).long()
+            offs = torch.arange(self.groups, device=idx.device).unsqueeze(1) * rows  # (G, 1)
+            super().batch_select_indices((offs + idx.unsqueeze(0)).reshape(-1))  # (G·B',)
+
+    return StackedCache
+
+
+def new_stacked_cache(groups: int) -> Any:
+    """An empty KV cache for a batch of ``groups`` stacked groups (a ``DynamicCache`` subclass
+    whose ``batch_select_indices`` selects the same rows in every group)."""
+    return _stacked_cache_class()(groups)
+
+
+class LoraGroupView(nn.Module):
+    """Group ``g`` of a :class:`StackedLoRA` as a causal LM of its own (the base with adapter g,
+    or the plain base): ``forward(**kw)`` runs the shared base in single-group mode, so it gives
+    the merged model's outputs. ProtectedLM holds these as its constituents/base (vocabulary,
+    device and generation-config checks); the fast path never calls them."""
+
+    def __init__(self, stack: StackedLoRA, group: int, name: str) -> None:
+        super().__init__()
+        self.model = stack.model  # shared: parameters() and .to() see the base's
+        self.group = group
+        self.name = name
+        object.__setattr__(self, "_stack", stack)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def generation_config(self) -> Any:
+        return getattr(self.model, "generation_config", None)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stack._single(self.group):
+            return self.model(*args, **kwargs)
+
+
+def _width(gemm: GemmLibrary | None, layer: nn.Linear) -> int | None:
+    """The panel width ``layer`` is packed with (None: it stays on torch's matmuls)."""
+    return gemm.panel_width if gemm is not None and packable(layer.weight) else None
+
+
+class StackedLoRA:
+    """One base model and G groups (LoRA adapters over it, or the base itself) run as one
+    stacked batch. ``__call__`` returns every group's logits; ``views`` are the groups as models.
+
+    Args:
+        model: the shared base (its targeted ``nn.Linear`` modules get wrapped in place; pass a
+            model that nothing else uses).
+        groups: one entry per group, in ProtectedLM's run order (constituents, then the base
+            for SCP-Δr-b): a :class:`LoraAdapter` or None (the plain base).
+        names: a name per group (for logs and views).
+        weight_source: optional ``module name -> weight tensor | None`` reading a base weight
+            from the checkpoint (see :func:`checkpoint_weight_source`): weights that are
+            re-laid out (wide linears on CPU) are copied from there, so that the model's own
+            memory-mapped copy is never paged in (peak memory as one model).
+        use_kernel: run float32 CPU linears with the packed C kernel where it builds and is
+            measured faster here (:func:`scpdr.lora.layers.choose_gemm`); False (or
+            ``SCPDR_GEMM_KERNEL=0``) keeps torch's matmuls (same results up to rounding).
+        release_adapters: empty the adapters' ``LoraAdapter.modules`` once their matrices are
+            copied into the stack, before the base weights are re-laid out (peak memory then
+            holds one copy of the adapters instead of two). :func:`stacked_from_bundle` does, for
+            the adapters it read.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        groups: Sequence[LoraAdapter | None],
+        names: Sequence[str],
+        *,
+        weight_source: Callable[[str], Tensor | None] | None = None,
+        use_kernel: bool = True,
+        release_adapters: bool = False,
+    ) -> None:
+        groups = list(groups)
+        if len(groups) != len(names):
+            raise ValueError("one name per group")
+        if not any(g is not None for g in groups):
+            raise UnsupportedAdapterError("no group carries a LoRA adapter")
+        self.model = model
+        self.num_groups = len(groups)
+        self.names = list(names)
+        # groups >= L carry no delta (the plain base is last in SCP-Δr-b)
+        self.num_lora = 1 + max(i for i, g in enumerate(groups) if g is not None)
+        self._mode = GroupMode()
+        self._release = release_adapters
+        self._wrap(groups, weight_source, use_kernel)
+        self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
+
+    def _wrap(
+        self,
+        groups: list[LoraAdapter | None],
+        weight_source: Callable[[str], Tensor | None] | None,
+        use_kernel: bool,
+    ) -> None:
+        targets = sorted({name for g in groups if g is not None for name in g.modules})
+        named = dict(self.model.named_modules())
+        plans: list[tuple[str, nn.Linear, int]] = []  # (name, layer, rank); 0: no adapter
+        for name in targets:  # checked before anything is modified
+            layer = named.get(name)
+            if layer is None:
+                raise UnsupportedAdapterError(f"the base model has no module {name!r}")
+            if type(layer) is not nn.Linear:
+                raise UnsupportedAdapterError(
+                    f"adapted module {name!r} is a {type(layer).__name__}, not an nn.Linear"
+                )
+            for g in groups:
+                if g is not None and name in g.modules:
+                    a_shape, b_shape = (tuple(t.shape) for t in g.modules[name][:2])
+                    if a_shape[1] != layer.in_features or b_shape[0] != layer.out_features:
+                        raise UnsupportedAdapterError(
+                            f"{g.path}: {name} has A {a_shape}, B {b_shape}, but the base layer "
+                            f"is {layer.out_features}x{layer.in_features}"
+                        )
+            rank = max(g.modules[name][0].shape[0] for g in groups if g and name in g.modules)
+            plans.append((name, layer, rank))
+        for g in groups:
+            if g is None:
+                continue
+            for name, t in g.extra.items():
+                layer = named.get(name)
+                w = getattr(layer, "weight", None)
+                if (
+                    w is None
+                    or w.shape != t.shape
+                    or not torch.equal(w.detach().cpu(), t.to(w.dtype))
+                ):
+                    raise UnsupportedAdapterError(
+                        f"{g.path} stores its own {name} weights (a resized or trained vocabulary)"
+                    )
+        others = [  # the other linears (lm_head...): wrapped for the stacked base matmul only
+            (name, layer, 0)
+            for name, layer in named.items()
+            if type(layer) is nn.Linear and name not in targets
+        ]
+        gemm: GemmLibrary | None = None
+        if use_kernel:  # the packed kernel, where it is measured faster here (layers.py)
+            packs = [layer for _, layer, _ in plans + others if packable(layer.weight)]
+            ranks = {name: rank for name, _, rank in plans}
+            shapes = [(layer.in_features, layer.out_features, ranks.get(name, 0))
+                      for name, layer, _ in plans + others if packable(layer.weight)]  # fmt: skip
+            if packs:
+                gemm = choose_gemm(shapes, groups=self.num_groups, lora=self.num_lora)
+        emb = self.model.get_input_embeddings()
+        emb_weight = getattr(emb, "weight", None)
+        emb_name = next((n for n, mod in named.items() if mod is emb), None)
+        tied_head: StackedLoraLinear | None = None
+        # Only now modify the model. The adapters' matrices first, then (release_adapters) the
+        # adapters' own tensors go: they share one memory map per file, freed only with the last.
+        matrices = {
+            name: self._lora_matrices(groups, name, layer, rank, _width(gemm, layer))
+            for name, layer, rank in plans
+        }
+        if self._release:
+            for g in groups:
+                if g is not None:
+                    g.modules.clear()
+        # the largest weights first, so that the transient copy read from the checkpoint (the
+        # head: vocab x hidden) comes before the packed weights pile up
+        order = [n for n, _, _ in sorted(plans + others, key=lambda p: -p[1].weight.numel())]
+        del named, plans, others  # each original layer is freed as soon as it is replaced
+        for name in order:
+            layer = self.model.get_submodule(name)
+            packed = _width(gemm, layer) is not None
+            # a head tied to the input embeddings is read from the checkpoint under their name
+            tied = emb_weight is not None and layer.weight is emb_weight
+            source = source_weight(
+                weight_source, emb_name if tied and emb_name else name, layer, packed=packed
+            )
+            a, b = matrices.pop(name, (None, None))
+            wrapped = StackedLoraLinear(
+                layer, a, b, self._mode, source=source, gemm=gemm, lora_packed=packed
+            )
+            self.model.set_submodule(name, wrapped)
+            if tied and wrapped.weight_packed is not None:
+                tied_head = wrapped
+        if tied_head is not None and type(emb) is nn.Embedding and emb.max_norm is None:
+            # look the embeddings up in the packed head: the original is never paged in
+            self.model.set_input_embeddings(PackedEmbedding(tied_head, emb))
+
+    def _lora_matrices(
+        self,
+        groups: list[LoraAdapter | None],
+        name: str,
+        layer: nn.Linear,
+        rank: int,
+        width: int | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The deltas of module ``name`` for the first L groups, ranks below ``rank`` and groups
+        without it zero-padded (exact): ``Aᵀ (L, in, r)`` and ``s·Bᵀ (L, r, out)``, or with a
+        panel ``width`` (the packed kernel's) the panels of ``A`` ``(L, ceil(r / width), in,
+        width)`` and of ``s·B`` ``(L, ceil(out / width), r, width)`` written directly (no
+        intermediate copy)."""
+        n_in, n_out, lora = layer.in_features, layer.out_features, self.num_lora
+        if width is not None:
+            a = torch.zeros(lora, -(-rank // width), n_in, width, dtype=torch.float32)
+            b = torch.zeros(lora, -(-n_out // width), rank, width, dtype=torch.float32)
+        else:
+            a = torch.zeros(lora, n_in, rank, dtype=torch.float32)
+            b = torch.zeros(lora, rank, n_out, dtype=torch.float32)
+        for i, g in enumerate(groups[:lora]):
+            if g is None or name not in g.modules:
+                continue
+            ma, mb, scale = g.modules[name]
+            k = ma.shape[0]
+            if width is not None:
+                pack_panels(ma.float(), width, out=a[i])
+                pack_panels(mb.float() * scale, width, out=b[i, :, :k])
+            else:
+                a[i, :, :k] = ma.float().t()
+                b[i, :k, :] = (mb.float() * scale).t()
+        w = layer.weight
+        return (a, b) if width is not None else (a.to(w.device, w.dtype), b.to(w.device, w.dtype))
+
+    @contextlib.contextmanager
+    def _single(self, group: int) -> Iterator[None]:
+        old = (self._mode.stacked, self._mode.single)
+        self._mode.stacked, self._mode.single = None, group
+        try:
+            yield
+        finally:
+            self._mode.stacked, self._mode.single = old
+
+    @contextlib.contextmanager
+    def _stacked(self) -> Iterator[None]:
+        old = (self._mode.stacked, self._mode.single)
+        self._mode.stacked, self._mode.single = self.num_groups, None
+        try:
+            yield
+        finally:
+            self._mode.stacked, self._mode.single = old
+
+    #: The runner protocol (``scpdr.runtime.runner.ModelRunner``): one forward of the shared base
+    #: serves every group.
+    shared_base = True
+
+    @property
+    def models(self) -> list[LoraGroupView]:
+        """The groups as models, in run order (the runner protocol's ``models``): a
+        ``ProtectedLM`` holds them as its constituents (and base, last, for SCP-Δr-b); build one
+        with ``scpdr.runtime.ProtectedLM.from_runner(stack, tokenizer, method=...)``."""
+        return self.views
+
+    def new_caches(self) -> list[Any]:
+        """One KV cache for the stacked batch (a list, as the runner protocol returns them)."""
+        return [new_stacked_cache(self.num_groups)]
+
+    def __call__(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        caches: list[Any] | None = None,
+        keep: int | Tensor = 0,
+    ) -> Tensor:
+        """One forward of all groups (the runner protocol, ``scpdr.runtime.runner``):
+        ``input_ids``/``attention_mask``/``position_ids`` ``(B, T)`` → float32 logits
+        ``(G, B, T', V)`` (T' = ``keep`` or T when ``keep`` is an int), or the positions a
+        ``keep`` tensor selects (``scpdr.runtime.runner.index_positions``). ``caches`` is one of
+        :meth:`new_caches` (or None: no cache)."""
+        from scpdr.runtime.runner import index_positions
+
+        g, bsz = self.num_groups, input_ids.shape[0]
+        cache = None if caches is None else caches[0]
+        kwargs: dict[str, Any] = (
+            {"past_key_values": cache, "use_cache": True}
+            if cache is not None
+            else {"use_cache": False}
+        )
+        with self._stacked():
+            out = self.model(
+                input_ids=input_ids.repeat(g, 1),  # (G·B, T), row g·B + b
+                attention_mask=attention_mask.repeat(g, 1),
+                position_ids=position_ids.repeat(g, 1),
+                logits_to_keep=keep if isinstance(keep, int) else 0,
+                **kwargs,
+            )
+        logits = out.logits.float()  # (G·B, T', V)
+        logits = logits.view(g, bsz, *logits.shape[1:])
+        return logits if isinstance(keep, int) else index_positions(logits, keep)

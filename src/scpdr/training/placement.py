@@ -1,0 +1,176 @@
+"""Where training runs: across processes (``accelerate launch``: DDP, FSDP) and on which device.
+
+Processes. Under ``accelerate launch --num_processes N`` every process runs the same ``scpdr
+train``: each prepares the same partitions (seeded) and trains every constituent together with
+the others (the Trainer's DDP/FSDP), but only the main process writes files other processes could
+read half-written — the tiny base, the partition files, each constituent's final directory, the
+bundle — while the others wait (:func:`main_process_first`, :func:`wait_for_everyone`). Without a
+launcher (one process) these are no-ops and accelerate's process group is never set up.
+
+Device. :func:`training_device` resolves ``--device`` (:func:`scpdr.device.resolve_device`);
+:func:`resolve_optim` picks the optimizer that can run there: the paper's 8-bit AdamW
+(``adamw_bnb_8bit``, App. E) when bitsandbytes is importable and the device is CUDA, else
+``adamw_torch`` (logged). bf16 mixed precision and gradient checkpointing are
+:class:`~scpdr.training.config.TrainConfig` fields passed to the Trainer as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from scpdr.device import cuda_index, is_cuda, resolve_device
+from scpdr.errors import ConfigError
+
+__all__ = [
+    "FALLBACK_OPTIM",
+    "full_state_dict",
+    "is_main_process",
+    "launched",
+    "main_process_first",
+    "placement_info",
+    "resolve_optim",
+    "select_device",
+    "training_device",
+    "wait_for_everyone",
+    "world_size",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The optimizer used where an 8-bit (bitsandbytes) one cannot run.
+FALLBACK_OPTIM = "adamw_torch"
+
+
+def world_size() -> int:
+    """The number of training processes (``WORLD_SIZE``, set by ``accelerate launch`` and
+    torchrun; 1 without a launcher)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def launched() -> bool:
+    """Whether this process is one of several started by a launcher."""
+    return world_size() > 1
+
+
+def _on_cpu() -> bool:
+    """Whether the launched processes train on CPU: ``accelerate launch --cpu``, or no CUDA."""
+    import torch
+
+    return os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true" or not (
+        torch.cuda.is_available()
+    )
+
+
+def _state():  # type: ignore[no-untyped-def]
+    """accelerate's process state, set up as the Trainer sets it up (on CPU: ``cpu=True``, the
+    gloo process group; the state is shared, so the first call decides)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=_on_cpu())
+
+
+def is_main_process() -> bool:
+    """True in the one process that writes shared files (always, without a launcher)."""
+    return not launched() or bool(_state().is_main_process)
+
+
+def wait_for_everyone() -> None:
+    """A barrier across the training processes (nothing without a launcher)."""
+    if launched():
+        _state().wait_for_everyone()
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """The main process runs the block first (and writes), the others after it (and read what
+    it wrote)."""
+    if not launched():
+        yield
+        return
+    with _state().main_process_first():
+        yield
+
+
+def training_device(device: str | None) -> str:
+    """``device`` resolved (default: cuda when available); under a launcher a pinned GPU is an
+    error (each process trains on the GPU of its local rank).
+
+    Raises:
+        ConfigError: a bad or unavailable device, or ``cuda:N`` under several processes.
+    """
+    resolved = resolve_device(device)
+    if not launched():
+        return resolved
+    if cuda_index(resolved) is not None:
+        raise ConfigError(
+            f"--device {resolved}: under accelerate launch each process trains on the GPU of its "
+            "rank; pass --device cuda (choose the GPUs with CUDA_VISIBLE_DEVICES or "
+            "accelerate's --gpu_ids)"
+        )
+    if is_cuda(resolved) == _on_cpu():
+        where = "CPU" if _on_cpu() else "GPUs"
+        raise ConfigError(
+            f"--device {resolved}: the launched processes train on {where} (accelerate launch's "
+            "--cpu decides); drop --device or launch accordingly"
+        )
+    return resolved
+
+
+def select_device(device: str) -> None:
+    """Make ``cuda:N`` this process's current CUDA device (the Trainer places the model on the
+    current device); nothing for ``cpu`` and ``cuda``."""
+    index = cuda_index(device)
+    if index is not None:
+        import torch
+
+        torch.cuda.set_device(index)
+
+
+def placement_info(trainer: Any, device: str, optim: str) -> dict[str, Any]:
+    """Where a finished run trained (``train_info.json``'s ``placement``): the device, the number
+    of processes, how they shared the model (accelerate's distributed type: ``NO``,
+    ``MULTI_CPU``/``MULTI_GPU`` for DDP, ``FSDP``) and the optimizer that ran."""
+    return {
+        "device": device,
+        "world_size": int(trainer.args.world_size),
+        "distributed": str(trainer.accelerator.distributed_type.value),
+        "optim": optim,
+    }
+
+
+def full_state_dict(trainer: Any) -> dict[str, Any] | None:
+    """Under FSDP, the trained model's full state dict, gathered from the shards (a collective:
+    every process must call it; the main process then saves it); None otherwise (the main
+    process saves ``trainer.model`` as it is)."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    return trainer.accelerator.get_state_dict(trainer.model)
+
+
+def _is_8bit(optim: str) -> bool:
+    return "bnb" in optim or "8bit" in optim
+
+
+def resolve_optim(optim: str, device: str) -> str:
+    """``optim``, or :data:`FALLBACK_OPTIM` for a bitsandbytes optimizer where it cannot run (on
+    CPU, or without bitsandbytes installed); the substitution is logged."""
+    if not _is_8bit(optim):
+        return optim
+    if not is_cuda(device):
+        why = f"device {device}"
+    elif importlib.util.find_spec("bitsandbytes") is None:
+        why = "bitsandbytes is not installed (pip install bitsandbytes)"
+    else:
+        return optim
+    logger.warning(
+        "optimizer %s needs CUDA and bitsandbytes (%s); using %s", optim, why, FALLBACK_OPTIM
+    )
+    return FALLBACK_OPTIM

@@ -1,0 +1,197 @@
+"""Training sized to the data: the plan of one constituent's run, printed before it trains.
+
+The paper's defaults (App. E, Table 6: packing to 2048 tokens, batch 1, 50 warm-up steps) suit
+thousands of long examples. On a few hundred short records they give a handful of optimizer steps,
+all inside the warm-up, and the learning rate never leaves ~0. :func:`fit_to_data` keeps what
+the user set and sizes the rest to the data:
+
+- **packing** (unset): off when the records are short (the longest ≤ ``seq_len / 4`` tokens), so
+  each record is its own sequence — as the extraction attacks query it (a fresh prompt at the
+  record's start) — and the sequences are padded to the longest record, not to ``seq_len``;
+  otherwise the paper's default for the mode;
+- **batch size** (unset, unpacked full fine-tuning): up to 8 records per step (at least 8 steps
+  an epoch), instead of the paper's one 2048-token block;
+- **warm-up** (unset): at most 10% of the optimizer steps (the paper's 50 when there are ≥ 500).
+
+:class:`TrainPlan` is what the run will do (records, tokens, sequences, steps, epochs, the lr
+schedule) and :meth:`TrainPlan.warnings` says when it cannot learn (no step past the warm-up,
+too few steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from scpdr.data.records import Record
+from scpdr.training.config import TrainConfig, make_config
+
+__all__ = [
+    "MAX_WARMUP_FRACTION",
+    "MIN_STEPS",
+    "TrainPlan",
+    "example_lengths",
+    "fit_to_data",
+]
+
+#: The warm-up the sizing allows, as a fraction of the optimizer steps.
+MAX_WARMUP_FRACTION = 0.1
+#: Fewer optimizer steps than this is a warning: the run can hardly learn anything.
+MIN_STEPS = 10
+#: Records whose longest is at most ``seq_len / SHORT_RATIO`` tokens are "short" (no packing).
+SHORT_RATIO = 4
+#: Records per step the sizing picks for unpacked full fine-tuning (batch size unset).
+AUTO_BATCH = 8
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What one fine-tuning run will do (:func:`fit_to_data`); ``changes`` lists what the sizing
+    set differently from the paper's defaults, and why."""
+
+    records: int
+    tokens: int
+    longest: int
+    sequences: int
+    seq_len: int
+    packing: bool
+    batch_size: int
+    grad_accum: int
+    steps_per_epoch: int
+    epochs: float
+    total_steps: int
+    warmup_steps: int
+    learning_rate: float
+    lr_scheduler: str
+    lora: bool
+    name: str = ""
+    changes: list[str] = field(default_factory=list)
+
+    def warnings(self) -> list[str]:
+        """Why this plan cannot (or can hardly) learn, in words; empty when it can."""
+        out = []
+        if self.warmup_steps >= self.total_steps:
+            out.append(
+                f"every one of the {self.total_steps} optimizer steps is inside the "
+                f"{self.warmup_steps}-step warm-up: the learning rate never reaches "
+                f"{self.learning_rate:g}; lower --warmup-steps or train longer (--epochs)"
+            )
+        if self.total_steps < MIN_STEPS:
+            out.append(
+                f"only {self.total_steps} optimizer steps: too few to learn; raise --epochs, "
+                "lower --batch-size, or add records"
+            )
+        return out
+
+    def summary(self) -> str:
+        """The plan in a few lines (what ``scpdr train`` prints before training)."""
+        name = f"{self.name}: " if self.name else ""
+        mode = "LoRA" if self.lora else "full fine-tuning"
+        seqs = (
+            f"packed into {self.sequences} sequences of {self.seq_len} tokens"
+            if self.packing
+            else f"one per sequence (padded to {self.seq_len} tokens)"
+        )
+        lines = [
+            f"{name}{self.records} records, {self.tokens} tokens (longest {self.longest}), {seqs}",
+            f"  {mode}: batch {self.batch_size} x {self.grad_accum} accumulation, "
+            f"{self.steps_per_epoch} steps/epoch x {self.epochs:g} epochs = "
+            f"{self.total_steps} optimizer steps",
+            f"  lr {self.learning_rate:g}, {self.lr_scheduler} schedule, "
+            f"{self.warmup_steps} warm-up steps",
+        ]
+        lines += [f"  sized to the data: {c}" for c in self.changes]
+        lines += [f"  WARNING: {w}" for w in self.warnings()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "warnings": self.warnings()}
+
+
+def example_lengths(records: Sequence[Record], tokenizer: Any) -> list[int]:
+    """Tokens of each record's training example (its text and the EOS that ends it), as
+    :func:`~scpdr.training.sequences.build_sequences` makes them."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for r in records:
+        ids = tokenizer(r.text)["input_ids"]
+        out.append(len(ids) + (0 if ids and ids[-1] == eos else 1))
+    return out
+
+
+def _steps(
+    n_sequences: int, batch: int, accum: int, epochs: float, max_steps: int | None
+) -> tuple[int, int]:
+    per_epoch = max(math.ceil(n_sequences / batch) // accum, 1)
+    total = max_steps if max_steps else max(math.ceil(per_epoch * epochs), 1)
+    return per_epoch, total
+
+
+def fit_to_data(
+    config: TrainConfig | dict[str, Any] | None,
+    lengths: Sequence[int],
+    *,
+    name: str = "",
+) -> tuple[TrainConfig, TrainPlan]:
+    """The resolved config a run on examples of these token ``lengths`` uses, and its plan.
+
+    Fields the caller set are kept (an explicit ``warmup_steps`` longer than the run is a
+    warning, not a change); unset ones are sized as the module docstring says."""
+    raw = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(dict(config or {}))
+    given = raw.model_fields_set
+    cfg = make_config(raw)
+    n, tokens = len(lengths), int(sum(lengths))
+    longest = max(lengths) if lengths else 0
+    changes: list[str] = []
+    update: dict[str, Any] = {}
+
+    packing = bool(cfg.packing)
+    if raw.packing is None and packing and longest * SHORT_RATIO <= cfg.seq_len:
+        packing = False
+        update["packing"] = False
+        changes.append(
+            f"no packing: the records are short (longest {longest} tokens <= seq_len "
+            f"{cfg.seq_len} / {SHORT_RATIO})"
+        )
+    batch = int(cfg.batch_size)
+    if raw.batch_size is None and not packing and not cfg.lora and batch < AUTO_BATCH:
+        batch = max(1, min(AUTO_BATCH, n // AUTO_BATCH))
+        if batch != cfg.batch_size:
+            update["batch_size"] = batch
+            changes.append(f"batch {batch} records per step (unpacked short records)")
+    n_seq = math.ceil(tokens / cfg.seq_len) if packing else n
+    per_epoch, total = _steps(n_seq, batch, cfg.grad_accum, float(cfg.epochs), cfg.max_steps)
+    warmup = cfg.warmup_steps
+    if "warmup_steps" not in given:
+        limit = int(MAX_WARMUP_FRACTION * total)
+        if warmup > limit:
+            warmup = limit
+            update["warmup_steps"] = warmup
+            changes.append(
+                f"warm-up {warmup} steps (<= {MAX_WARMUP_FRACTION:.0%} of {total} steps; "
+                f"the paper's {cfg.warmup_steps} would cover "
+                f"{min(cfg.warmup_steps / total, 1):.0%})"
+            )
+    cfg = cfg.model_copy(update=update) if update else cfg
+    plan = TrainPlan(
+        records=n,
+        tokens=tokens,
+        longest=longest,
+        sequences=n_seq,
+        seq_len=cfg.seq_len if packing else min(cfg.seq_len, longest),
+        packing=packing,
+        batch_size=batch,
+        grad_accum=cfg.grad_accum,
+        steps_per_epoch=per_epoch,
+        epochs=float(cfg.epochs),
+        total_steps=total,
+        warmup_steps=warmup,
+        learning_rate=float(cfg.learning_rate),
+        lr_scheduler=cfg.lr_scheduler,
+        lora=cfg.lora,
+        name=name,
+        changes=changes,
+    )
+    return cfg, plan

@@ -1,0 +1,146 @@
+"""The own-data contract, end to end on a tiny base: train with secrets and groups → eval (table,
+results.json with secrets rows, risk.jsonl) → export (no text, no secret: a byte search of every
+file) → `scpdr serve` of the export, queried with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ticket_data import tickets, write_jsonl
+
+from scpdr import methods
+from scpdr.cli import main
+from scpdr.data import load_partitions, secret_occurrences
+from scpdr.export import verify_export
+
+SCP_B = methods.resolve("scp-delta-r").name
+NO_CP = methods.MAIN_TABLE_METHODS[0]
+
+
+@pytest.fixture(scope="module")
+def flow(tmp_path_factory):
+    root = tmp_path_factory.mktemp("owndata")
+    rows = tickets(28, seed=3, customers=12)
+    data = write_jsonl(root / "tickets.jsonl", rows)
+    bundle, evald, export = root / "B", root / "E", root / "D"
+    argv = ["train", "--data", str(data), "--text-field", "text", "--secrets-field", "secrets"]
+    argv += ["--group-field", "customer", "--partitions", "2", "--epochs", "3"]
+    assert main([*argv, "--base", "tiny", "--out", str(bundle)]) == 0
+    return {"root": root, "rows": rows, "B": bundle, "E": evald, "D": export}
+
+
+def test_train_keeps_groups_and_secrets_in_one_partition(flow):
+    pset = load_partitions(flow["B"] / "partitions")
+    assert [(flow["B"] / "partitions" / f"partition-{i}.jsonl").is_file() for i in (0, 1)] == [
+        True,
+        True,
+    ]
+    where = {r.group: i for i, p in enumerate(pset.parts) for r in p}
+    assert all(where[r.group] == i for i, p in enumerate(pset.parts) for r in p)
+    assert not secret_occurrences(pset.parts)  # no declared secret in both partitions
+    assert all(r.secrets for r in pset.records())
+    info = json.loads((flow["B"] / "constituent-0" / "train_info.json").read_text())
+    assert info["plan"]["warmup_steps"] <= 0.1 * info["plan"]["total_steps"]
+    assert not info["plan"]["packing"]
+    extra = json.loads((flow["B"] / "scpdr.json").read_text())["extra"]
+    assert extra["dataset"]["validation"]["fraction"] == 0.1
+
+
+def test_eval_prints_the_table_and_writes_secret_rows_and_risk_lines(flow, capsys):
+    argv = ["eval", str(flow["B"]), "--out", str(flow["E"]), "--methods", f"{NO_CP},{SCP_B}"]
+    assert main([*argv, "--tte-n", "4", "--lira-n", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Main results" in out and "Records most at risk" in out and "Certificate" in out
+    rows = json.loads((flow["E"] / "results.json").read_text())
+    secrets = [r for r in rows if r["attack"] == "secrets"]
+    for method in (NO_CP, SCP_B):
+        got = {r["metric"]: r for r in secrets if r["method"] == method}
+        assert set(got) == {"extracted", "fer"}
+        assert all(r["ci_low"] <= r["value"] <= r["ci_high"] for r in got.values())
+    lines = [json.loads(x) for x in (flow["E"] / "risk.jsonl").read_text().splitlines()]
+    assert lines and all({"record", "partition", "method", "extracted"} <= set(x) for x in lines)
+    assert {x["method"] for x in lines} == {NO_CP, SCP_B}
+    assert all(x["ref"] is not None for x in lines)  # the ref MIA score vs the base model
+    secrets_text = {s for r in flow["rows"] for s in r["secrets"]}
+    report = (flow["E"] / "risk.jsonl").read_text() + (flow["E"] / "report.md").read_text()
+    assert not any(s in report for s in secrets_text)
+
+
+def test_an_m_sweep_runs_the_smoothed_methods_at_each_m(flow, capsys):
+    out = flow["root"] / "sweep"
+    argv = ["eval", str(flow["B"]), "--out", str(out), "--methods", f"{NO_CP},{SCP_B}"]
+    assert main([*argv, "--attacks", "secrets,utility", "--m", "1,3"]) == 0
+    assert "Choosing m" in capsys.readouterr().out
+    rows = json.loads((out / "results.json").read_text())
+    assert {r["m"] for r in rows if r["method"] == SCP_B} == {1, 3}
+    assert all("m" not in r for r in rows if r["method"] == NO_CP)  # not smoothed: run once
+    # the bundle's m (10) is not swept: the main table runs at the first m, the rest are sweeps
+    assert all(r.get("sweep") is None for r in rows if r.get("m") == 1)
+    assert all(r.get("sweep") == "m" for r in rows if r.get("m") == 3)
+
+
+def test_export_has_no_training_text_or_secret(flow):
+    assert main(["export", str(flow["B"]), "--out", str(flow["D"])]) == 0
+    assert verify_export(flow["D"]) == []
+    needles = {r["text"] for r in flow["rows"]} | {s for r in flow["rows"] for s in r["secrets"]}
+    needles = [n.encode() for n in needles]
+    files = [p for p in flow["D"].rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" for p in files)
+    for p in files:  # every byte of every file, weights included
+        blob = p.read_bytes()
+        assert not any(n in blob for n in needles), p
+    assert not (flow["D"] / "partitions").exists()
+    assert oct(flow["D"].stat().st_mode & 0o777) == "0o750"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_export_serves_openai_chat(flow):
+    import openai
+
+    if not (flow["D"] / "scpdr.json").exists():
+        assert main(["export", str(flow["B"]), "--out", str(flow["D"])]) == 0
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scpdr", "serve", str(flow["D"]), "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                models = client.models.list().data
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+        out = client.chat.completions.create(
+            model=models[0].id,
+            messages=[{"role": "user", "content": "My account number is"}],
+            max_tokens=6,
+            temperature=0,
+        )
+        assert out.choices[0].message.role == "assistant"
+        assert out.choices[0].finish_reason in ("length", "stop")
+        assert "naf" in out.choices[0].model_extra
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,0 +1,40 @@
+"""Training sized to the data: what the user set is kept, the rest fits the records, and a plan
+that cannot learn says so."""
+
+from __future__ import annotations
+
+from scpdr.training import TrainConfig, fit_to_data
+from scpdr.training.plan import MAX_WARMUP_FRACTION
+
+
+def test_short_records_are_not_packed_and_the_warmup_fits_the_steps():
+    cfg, plan = fit_to_data(TrainConfig(epochs=3), [40] * 113)
+    assert not plan.packing and cfg.packing is False
+    assert plan.batch_size == cfg.batch_size == 8
+    assert plan.steps_per_epoch == 15 and plan.total_steps == 45
+    assert plan.warmup_steps == cfg.warmup_steps <= MAX_WARMUP_FRACTION * plan.total_steps
+    assert plan.seq_len == 40 and plan.tokens == 40 * 113
+    assert not plan.warnings() and len(plan.changes) == 3
+    assert "45 optimizer steps" in plan.summary()
+
+
+def test_what_the_user_set_is_kept_and_a_plan_inside_its_warmup_is_a_warning():
+    given = TrainConfig(epochs=1, batch_size=4, packing=True, warmup_steps=50, seq_len=256)
+    cfg, plan = fit_to_data(given, [40] * 20)
+    assert (cfg.batch_size, cfg.packing, cfg.warmup_steps) == (4, True, 50)
+    assert plan.packing and plan.sequences == 4  # 800 tokens in 256-token blocks
+    assert plan.total_steps == 1 and not plan.changes
+    warnings = plan.warnings()
+    assert any("inside the 50-step warm-up" in w for w in warnings)
+    assert any("too few to learn" in w for w in warnings)
+    assert "WARNING" in plan.summary()
+
+
+def test_long_records_keep_the_papers_packing():
+    cfg, plan = fit_to_data(TrainConfig(seq_len=512), [300] * 50)
+    assert plan.packing and cfg.packing and cfg.batch_size == 1  # the paper's full FT
+
+
+def test_a_resolved_lora_config_keeps_its_batch():
+    cfg, plan = fit_to_data({"lora": True, "epochs": 2}, [30] * 100)
+    assert cfg.lora and not plan.packing and plan.batch_size == 64  # LoRA's paper batch
