@@ -158,7 +158,7 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
         ({"sweeps": [{"key": "m", "values": []}]}, "sweeps.0.values: must have at least 1 item"),
         ({"attacks": {"canary": {"n_reference": 10}}}, "attacks.canary.n_reference: must be ≥ 100"),
         ({"references": {"holdout": 0}}, "references.holdout: must be ≥ 1"),
-        ({"references": {"enabled": False}}, "references.enabled: false, but attack 'lira'"),
+        ({"attacks": {"mia": {"population": "names"}}}, "attacks.mia.population: must be 'auto', 'canaries' or 'records'"),
         ({"bounds": {"methods": ["cp-fuse"]}}, "bounds.methods: cp-fuse is stateful"),
     ],
 )
@@ -208,7 +208,7 @@ def test_relative_data_paths_resolve_against_the_config(tmp_path):
     )
     cfg = load_config(cfg_path)
     assert cfg.corpora[0].resolved_source == str((tmp_path / "data" / "mine.jsonl").resolve())
-    assert cfg.corpora[0].resolved_attacks == ["tte", "lira", "utility", "generations"]
+    assert cfg.corpora[0].resolved_attacks == ["tte", "mia", "utility", "generations"]
 
 
 def test_invalid_sweep_value_is_reported_at_planning():
@@ -369,7 +369,7 @@ def test_tiny_experiment_produces_every_column_figure_and_file(tiny_run):
     for key in table.row_keys[:-1]:  # every method row has a value in every column
         row = table.cells[table.row_keys.index(key)]
         assert all(c.value is not None for c in row[1:]), key
-    for name in ("kx_hist", "tx_vx_hist", "exposure_vs_m", "tte_vs_epochs", "lira_roc_names2ids"):
+    for name in ("kx_hist", "tx_vx_hist", "exposure_vs_m", "tte_vs_epochs", "mia_roc_names2ids"):
         assert (res.out / "plots" / f"{name}.png").is_file(), name
     md = res.report_md.read_text()
     assert "Omitted" not in md and "## k_x bounds (99th percentile)" in md
@@ -417,6 +417,7 @@ def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tm
     exactly the rows of the experiment's attack stages."""
     from scpdr.attacks.evaluation import ATTACKS as PIPELINE_ATTACKS
     from scpdr.attacks.evaluation import smoothing_method
+    from scpdr.attacks.mia import MIA_ATTACKS
     from scpdr.attacks.results import NO_CP_VAL
     from scpdr.experiment.sections import ATTACKS as EXPERIMENT_ATTACKS
 
@@ -453,14 +454,15 @@ def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tm
         return sorted(json.dumps(r, sort_keys=True) for r in rows)
 
     got = json.loads((out / "results.json").read_text())
+    row_attacks = {*ATTACKS, *MIA_ATTACKS} - {"mia"}  # the suite's rows name its six attacks
     want = [
         r
         for r in tiny_run.rows
         if r.get("sweep") is None
-        and r["attack"] in ATTACKS
+        and r["attack"] in row_attacks
         and r["method"] in (*methods_, NO_CP_VAL)
     ]
-    assert {r["attack"] for r in want} == set(ATTACKS)
+    assert {r["attack"] for r in want} == row_attacks
     assert {r["method"] for r in want} == {*methods_, NO_CP_VAL}
     assert canonical(got) == canonical(want)
     # and what `scpdr eval` writes beside the rows
@@ -539,6 +541,16 @@ def test_demo_checks_on_hand_made_rows():
     assert lines[0].startswith("[green]✓") and "75%" in lines[0]
     assert lines[1].startswith("[green]✓") and "0%" in lines[1]  # the sweep row is ignored
     assert lines[2].startswith("[red]✗")  # 0.03 apart
+    # CP-Fuse is CP-ΔKL at a fresh request's first step: their TTE within .05
+    tte = [
+        {"method": m, "attack": "tte", "metric": k, "value": v}
+        for m, auc, acc in (("cp-fuse", 0.90, 0.70), ("cp-kl", 0.93, 0.74))
+        for k, v in (("auc", auc), ("acc", acc))
+    ]
+    lines = demo_checks(rows + tte)
+    assert len(lines) == 4 and lines[2].startswith("[green]✓") and "CP-Fuse" in lines[2]
+    tte[1]["value"] = 0.80  # CP-Fuse's ACC .10 below: the whole-prefix protocol's symptom
+    assert demo_checks(rows + tte)[2].startswith("[red]✗")
 
 
 def test_missing_base_model_is_a_clear_error(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from scpdr.attacks.scorer import LogitsScorer
+from scpdr.attacks.logits_scorer import LogitsScorer
 
 
 class CharTokenizer:

@@ -13,6 +13,7 @@ import torch
 from scpdr import methods
 from scpdr.attacks.bounds_analysis import bound_distributions
 from scpdr.attacks.evaluation import EvalData, EvalOptions, load_scorers, run_eval, smoothing_method
+from scpdr.attacks.mia import MIA_ATTACKS, MIA_METRICS
 from scpdr.attacks.results import NO_CP_VAL, load_results
 from scpdr.attacks.scorer import (
     batched_greedy,
@@ -118,6 +119,7 @@ def test_every_attack_runs_on_protected_scorers(world):
         options=opts,
         reference=world["reference_of"],
         q_scorer=world["q"],
+        base=world["scorers"].base,
     )
     # the canary attack scores n_reference candidates per prefix: once, on the cheapest scorer
     can = run_eval({"none": scorers["none"]}, data, ["canary"], options=opts)
@@ -135,17 +137,25 @@ def test_every_attack_runs_on_protected_scorers(world):
             ("pii", "fer"),
             ("tte", "auc"),
             ("tte", "acc_q_fails"),
-            ("lira", "auc"),
-            ("lira", "tpr@0.01fpr"),
+            *((a, mt) for a in MIA_ATTACKS for mt in MIA_METRICS),
             ("utility", "nll"),
         ]:
             assert (m, attack, metric) in got, (m, attack, metric)
     for attack, metric in [("pii", "ael"), ("canary", "exposure_mean"), ("tte", "auc")]:
         assert (NO_CP_VAL, attack, metric) in got
+    # No CP-val of the MIA suite: No CP on validation names no model saw, as members
+    assert {(NO_CP_VAL, a, "auc") for a in MIA_ATTACKS} <= got
     for r in rep.rows:
         assert r.value is not None and (np.isfinite(r.value) or r.attack == "tte")
-    assert {t["attack"] for t in rep.timings} == {"canary", "pii", "tte", "lira", "utility"}
-    assert set(rep.roc_curves()) == {"none", SCP_B}
+        d = r.to_dict()
+        if r.metric in ("exposure_mean", "ael", "fer", "auc", "acc", "accuracy", "tpr@0.01fpr"):
+            assert {"ci_low", "ci_high"} <= set(d), (r.method, r.attack, r.metric)
+        if r.attack in MIA_ATTACKS:
+            assert d["population"] == "records" and d["n_nonmembers"] == 2
+    # "lira" is the suite's older name: it ran as "mia"
+    assert {t["attack"] for t in rep.timings} == {"canary", "pii", "tte", "mia", "utility"}
+    assert set(rep.roc_curves()) == {"none", SCP_B, NO_CP_VAL}
+    assert set(rep.mia["none"].curves()) == set(MIA_ATTACKS)
 
 
 @pytest.mark.parametrize("cmd", ["eval", "bounds", "prop-bounds"])

@@ -28,7 +28,7 @@ def test_attacks_without_their_data_are_skipped_with_a_reason(caplog):
         rep = run_eval(
             {"none": _Untouchable(), "cp-delta": _Untouchable()},
             data,
-            ["canary", "pii", "tte", "lira", "utility"],
+            ["canary", "pii", "tte", "mia", "utility"],
         )
     assert rep.rows == [] and rep.timings == []
     text = caplog.text
@@ -37,11 +37,11 @@ def test_attacks_without_their_data_are_skipped_with_a_reason(caplog):
         "pii: no Names2IDs records in the data, skipped",
         "tte: no training texts, skipped",
         "utility: no validation texts, skipped",
-        "lira: none skipped",
+        "mia: no members or no non-members (auto population), skipped",
     ):
         assert line in text, line
 
 
 def test_unknown_attack_is_a_config_error_naming_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown attack\(s\) \['mia'\]; known: canary, pii"):
-        run_eval({}, EvalData(), ["pii", "mia"])
+    with pytest.raises(ConfigError, match=r"unknown attack\(s\) \['mi'\]; known: canary, pii"):
+        run_eval({}, EvalData(), ["pii", "mi"])

@@ -8,7 +8,7 @@ from attack_doubles import memorizing_scorer, uniform_scorer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scpdr.attacks.lira import lira, plot_roc, roc_auc, roc_curve, tpr_at_fpr
+from scpdr.attacks.lira import LiRAResult, lira, plot_roc
 from scpdr.data.records import Record
 from scpdr.errors import ConfigError
 
@@ -16,20 +16,23 @@ MEMBERS = ["the cat sat on the mat", "Quantum widgets hum at dawn", "seven blue 
 NONMEMBERS = ["a dog ran in the park", "Xylophones rarely whisper", "nine green boats"]
 
 
-def test_perfect_and_reversed_and_random_rankings():
-    labels = np.r_[np.ones(50), np.zeros(50)]
-    scores = np.r_[np.linspace(2, 3, 50), np.linspace(0, 1, 50)]
-    assert roc_auc(scores, labels) == 1.0
-    assert roc_auc(-scores, labels) == 0.0
-    fpr, tpr = roc_curve(scores, labels)
-    assert tpr_at_fpr(fpr, tpr, 0.01) == 1.0
+def _result(member_scores, nonmember_scores):
+    s = np.r_[member_scores, nonmember_scores].astype(float)
+    y = np.r_[np.ones(len(member_scores), bool), np.zeros(len(nonmember_scores), bool)]
+    return LiRAResult(s, y)
+
+
+def test_perfect_reversed_and_random_rankings():
+    scores = np.linspace(2, 3, 50), np.linspace(0, 1, 50)
+    assert _result(*scores).auc == 1.0
+    assert _result(-scores[0], -scores[1]).auc == 0.0
+    assert _result(*scores).tpr_at(0.01) == 1.0
     rng = np.random.default_rng(0)
-    big = rng.uniform(size=20000) < 0.5
-    assert roc_auc(rng.normal(size=20000), big) == pytest.approx(0.5, abs=0.02)
-    assert roc_auc(np.zeros(10), np.r_[np.ones(5), np.zeros(5)]) == 0.5  # all tied
+    assert _result(rng.normal(size=5000), rng.normal(size=5000)).auc == pytest.approx(0.5, abs=0.03)
+    assert _result(np.zeros(5), np.zeros(5)).auc == 0.5  # all tied
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 6), st.booleans()), min_size=2, max_size=40))
 def test_auc_is_the_mann_whitney_statistic(pairs):
     s = np.array([p[0] for p in pairs], dtype=float)
@@ -38,16 +41,18 @@ def test_auc_is_the_mann_whitney_statistic(pairs):
         return
     diff = s[y][:, None] - s[~y][None, :]
     mw = ((diff > 0) + 0.5 * (diff == 0)).mean()
-    assert roc_auc(s, y) == pytest.approx(mw)
+    assert LiRAResult(s, y).auc == pytest.approx(mw)
 
 
-def test_tpr_at_low_fpr():
+def test_tpr_at_low_fpr_and_the_rows_carry_intervals():
     # non-member scores 0..99; members: 10 above every non-member, the rest below all of them
-    s = np.r_[np.arange(100.0), 200 + np.arange(10.0), -1 - np.arange(90.0)]
-    y = np.r_[np.zeros(100), np.ones(100)]
-    fpr, tpr = roc_curve(s, y)
-    assert tpr_at_fpr(fpr, tpr, 0.001) == pytest.approx(0.10)
-    assert tpr_at_fpr(fpr, tpr, 0.01) == pytest.approx(0.10)  # 1 false positive adds nothing
+    res = _result(np.r_[200 + np.arange(10.0), -1 - np.arange(90.0)], np.arange(100.0))
+    assert res.tpr_at(0.001) == pytest.approx(0.10)
+    assert res.tpr_at(0.01) == pytest.approx(0.10)  # 1 false positive adds nothing
+    for r in res.rows(method="none"):
+        d = r.to_dict()
+        assert d["ci_low"] <= d["value"] <= d["ci_high"]
+        assert d["n_members"] == 100 and d["n_nonmembers"] == 100
 
 
 def test_lira_separates_members_of_a_memorizer(tmp_path):

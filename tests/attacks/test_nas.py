@@ -110,3 +110,22 @@ def test_each_attack_type_counts_equally_whatever_its_corpora():
     # explicit weights still override
     scores, _ = nas_from_rows(rows_for(["math"]), attack_weights={"pii": 1.0, "tte": 1 / 3})
     assert scores["a"] == pytest.approx(0.75)
+
+
+def test_membership_aucs_never_enter_nas():
+    """A flipped membership test (ROC AUC far below .5) is leakage, not protection: NAS reads
+    only the paper's extraction columns, so such a row cannot make a method the best protected."""
+    from scpdr.attacks.mia import MIA_ATTACKS
+
+    base = [
+        ResultRow("none", "pii", "ael", 9.0, corpus="ids"),
+        ResultRow("cp-fuse", "pii", "ael", 3.0, corpus="ids"),
+        ResultRow("scp-delta-r-b", "pii", "ael", 1.0, corpus="ids"),
+    ]
+    mia = [
+        ResultRow(m, a, "auc", auc, corpus="ids")
+        for a in MIA_ATTACKS
+        for m, auc in (("none", 0.99), ("cp-fuse", 0.05), ("scp-delta-r-b", 0.6))
+    ]
+    assert nas_from_rows(base + mia)[0] == nas_from_rows(base)[0]
+    assert min(nas_from_rows(base + mia)[0].items(), key=lambda kv: kv[1])[0] == "scp-delta-r-b"

@@ -124,3 +124,34 @@ def test_weighted_roc_equals_scikit_learn_on_the_expanded_sample(mem, non, seed)
         assert auc[r] == pytest.approx(want.auc.value, abs=1e-12)
         for c, lv in enumerate(levels):
             assert tprs[r, c] == pytest.approx(want.tpr[lv].value, abs=1e-12), lv
+
+
+def test_pooled_mean_resamples_whole_examples():
+    from scpdr.attacks.stats import pooled_mean_ci
+
+    # ten examples of 1 or 99 tokens: the pooled mean is over tokens, the interval over examples
+    sums = np.array([1.0, 0.0] * 5)
+    counts = np.array([1.0, 99.0] * 5)
+    est = pooled_mean_ci(sums, counts, n_boot=400)
+    assert est.value == pytest.approx(5 / 500) and est.n == 10
+    assert est.ci_low <= est.value <= est.ci_high and est.ci_high > est.value
+    same = pooled_mean_ci(np.full(8, 3.0), np.full(8, 6.0))
+    assert (same.value, same.ci_low, same.ci_high) == (0.5, 0.5, 0.5)
+    one = pooled_mean_ci([2.0], [4.0])
+    assert one.value == 0.5 and np.isnan(one.ci_low)
+
+
+def test_cluster_bootstrap_passes_resampled_example_indices():
+    from scpdr.attacks.stats import cluster_bootstrap_ci
+
+    vals = np.array([0.0, 1.0, 2.0, 3.0])
+    seen = []
+
+    def stat(idx):
+        seen.append(idx)
+        return float(vals[idx].mean())
+
+    est = cluster_bootstrap_ci(4, stat, n_boot=50, seed=3)
+    assert est.value == 1.5 and len(seen) == 51
+    assert all(len(i) == 4 and set(i) <= {0, 1, 2, 3} for i in seen)
+    assert 0.0 <= est.ci_low < 1.5 < est.ci_high <= 3.0

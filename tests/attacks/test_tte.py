@@ -71,3 +71,16 @@ def test_uniform_scorer_extracts_nothing_and_q_restriction():
 def test_min_prefix_and_max_tokens():
     res = token_by_token_extraction(memorizing_scorer(TEXTS), TEXTS, min_prefix=3, max_tokens=8)
     assert res.correct.size == 3 * (8 - 3)
+
+
+def test_rows_carry_intervals_over_examples():
+    texts = [*TEXTS, "omega psi chi", "rho sigma tau"]
+    half = memorizing_scorer(texts[:3])  # memorized 3 of the 5 texts
+    res = token_by_token_extraction(half, texts)
+    est = res.estimates()
+    assert est["acc"].n == 5 and est["acc"].value == pytest.approx(res.acc())
+    assert est["auc"].value == pytest.approx(res.auc())
+    for e in est.values():
+        assert e.ci_low < e.value < e.ci_high  # the examples differ: a real interval
+    rows = {r.metric: r.to_dict() for r in res.rows()}
+    assert rows["acc"]["ci_low"] == est["acc"].ci_low and rows["auc"]["ci_high"] == est["auc"].ci_high

@@ -22,3 +22,13 @@ def test_utility_of_uniform_and_memorizer():
     rows = {r.metric: r for r in m.rows(method="none", corpus="toy")}
     assert rows["accuracy"].n == sum(len(v) - 1 for v in VAL)
     assert rows["nll"].extra["stderr"] >= 0
+
+
+def test_utility_rows_carry_intervals_over_examples():
+    texts = ["alpha beta", "gamma delta", "epsilon", "zeta eta"]
+    res = utility(memorizing_scorer(texts[:2]), texts)
+    rows = {r.metric: r.to_dict() for r in res.rows()}
+    for metric in ("accuracy", "nll"):
+        d = rows[metric]
+        assert d["ci_low"] < d["value"] < d["ci_high"], metric
+    assert rows["accuracy"]["value"] == pytest.approx(res.accuracy)

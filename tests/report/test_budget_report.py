@@ -61,3 +61,23 @@ def test_plot_is_written(tmp_path):
     path = budget_plot(ROWS, tmp_path / "budget.png")
     assert path is not None and path.stat().st_size > 10_000
     assert budget_plot([], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+def test_the_report_shows_the_sweep_and_its_figure(tmp_path):
+    from scpdr.report import ReportInputs, render_report
+
+    main = [
+        {"method": m, "attack": "pii", "metric": "fer", "value": 0.5, "n": 10, "corpus": "ids"}
+        for m in ("none", SCP)
+    ]
+    rep = render_report(ReportInputs(rows=[*main, *ROWS]), tmp_path)
+    md = rep.markdown.read_text()
+    assert "## Extraction budget" in md and "B = ∞" in md
+    assert rep.figures["budget"] is not None and rep.figures["budget"].exists()
+    assert "plots/budget.png" in md
+    # the main table does not read the sweep's rows
+    assert "tokens / answer" not in md.split("## Extraction budget")[0]
+
+    without = render_report(ReportInputs(rows=main), tmp_path / "plain")
+    text = without.markdown.read_text()
+    assert "## Extraction budget" not in text and "attack 'budget' not requested" in text

@@ -78,7 +78,8 @@ def test_full_report_embeds_every_figure(tmp_path):
             for q in ("k_x", "t_x", "t_x_rare", "v_x", "v_x_rare")
         }
     }
-    roc = {"ids": {"none": {"fpr": [0, 0.01, 1], "tpr": [0, 0.6, 1], "auc": 0.9}}}
+    curve = {"fpr": [0, 0.01, 1], "tpr": [0, 0.6, 1], "auc": 0.9}
+    roc = {"ids": {"loss": {"none": curve}, "lira": {"none": curve, "scp-delta-r-b": curve}}}
     gens = [
         {
             "corpus": "ids",
@@ -99,7 +100,7 @@ def test_full_report_embeds_every_figure(tmp_path):
         ),
         tmp_path,
     )
-    for name in ("kx_hist", "tx_vx_hist", "exposure_vs_m", "tte_vs_epochs", "lira_roc_ids"):
+    for name in ("kx_hist", "tx_vx_hist", "exposure_vs_m", "tte_vs_epochs", "mia_roc_ids"):
         path = rep.figures[name]
         assert path is not None and path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = rep.markdown.read_text()
@@ -119,7 +120,7 @@ def test_figures_without_data_are_omitted_with_a_note(tmp_path):
     assert all(p is None for p in rep.figures.values())
     md = rep.markdown.read_text()
     assert md.count("_Omitted:") == 6  # 5 figures + generations
-    assert "no sweep over m" in md and "no LiRA results" in md
+    assert "no sweep over m" in md and "no membership-inference results" in md
     assert not (tmp_path / "plots").exists()
     assert "data:image" not in rep.html.read_text()
     # The k_x table still comes from the rows.

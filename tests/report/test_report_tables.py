@@ -8,11 +8,13 @@ import math
 import pytest
 
 from scpdr import methods
+from scpdr.report.cells import NEAR_CHANCE
 from scpdr.report.tables import (
     canary_table,
     format_value,
     kx_table,
     main_table,
+    mia_table,
     nas_scores,
     rank_marks,
     to_html,
@@ -339,25 +341,47 @@ def test_kx_table_and_renderers():
     assert kx_table([{"method": "none", "attack": "pii", "metric": "ael", "value": 1}]) is None
 
 
-def test_lira_table():
-    from scpdr.report.tables import lira_table
+def _mia_rows(values):
+    rows = []
+    for m, attack, auc, tpr in values:
+        for metric, v, half in (("auc", auc, 0.05), ("tpr@0.01fpr", tpr, 0.02)):
+            rows.append(
+                {
+                    "method": m,
+                    "attack": attack,
+                    "metric": metric,
+                    "value": v,
+                    "ci_low": v - half,
+                    "ci_high": v + half,
+                    "n": 200,
+                    "corpus": "ids",
+                }
+            )
+    return rows
 
-    rows = [
-        {"method": m, "attack": "lira", "metric": metric, "value": v, "corpus": "ids"}
-        for m, auc, tpr in (
-            ("none", 0.95, 0.4),
-            ("cp-delta-r", 0.7, 0.05),
-            ("scp-delta-r-b", 0.52, 0.0),
-        )
-        for metric, v in (("auc", auc), ("tpr@0.01fpr", tpr))
-    ]
-    t = lira_table(rows, corpus_labels={"ids": "IDs"})
+
+def test_mia_table_ranks_auc_by_its_distance_from_chance():
+    rows = _mia_rows(
+        [
+            ("none", "loss", 0.95, 0.4),
+            ("cp-fuse", "loss", 0.19, 0.0),  # a flipped test: as much leakage as .81
+            ("cp-delta-r", "loss", 0.7, 0.05),
+            ("scp-delta-r-b", "loss", 0.52, 0.011),
+            ("none-val", "loss", 0.5, 0.01),
+        ]
+    )
+    t = mia_table(rows, corpus_labels={"ids": "IDs"})
     assert t is not None and [c.label for c in t.columns] == ["AUC", "TPR@1%"]
-    assert t.marks("scp-delta-r-b") == ["best", "best"] and t.marks("cp-delta-r") == [
-        "second",
-        "second",
-    ]
-    assert lira_table([]) is None
+    assert [c.group for c in t.columns] == ["LOSS", "LOSS"]
+    assert t.row_keys == ["none", "cp-fuse", "cp-delta-r", "scp-delta-r-b", "none-val"]
+    assert t.marks("scp-delta-r-b")[0] == "best" and t.marks("cp-delta-r")[0] == "second"
+    assert t.marks("cp-fuse")[0] is None  # .19 is not "the best protection"
+    assert t.marks("cp-fuse")[1] == "best"  # its TPR@1% is lowest
+    cell = t.cells[t.row_keys.index("scp-delta-r-b")][0].text
+    assert cell == ".52 ±.05" + NEAR_CHANCE  # within No CP-val's interval
+    assert t.cells[t.row_keys.index("none")][0].text == ".95 ±.05"  # distinguishable
+    assert t.separator_before == 4
+    assert mia_table([]) is None
 
 
 @pytest.mark.parametrize("method", methods.METHOD_ORDER)

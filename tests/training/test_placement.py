@@ -73,8 +73,10 @@ def test_accelerate_launch_ddp_on_gloo_writes_the_bundle_of_one_process(tmp_path
             "distributed": "MULTI_CPU",  # DDP on gloo
             "optim": "adamw_torch",
         }
+        # twice the sequences per step; not exactly twice the epochs when a partition does not
+        # split into whole DDP batches (the last batch of an epoch is partial)
         assert info["epochs_done"] == pytest.approx(
-            2 * single["epochs_done"] / single["placement"]["world_size"]
+            2 * single["epochs_done"] / single["placement"]["world_size"], rel=0.05
         )
 
 

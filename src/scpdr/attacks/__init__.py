@@ -9,6 +9,8 @@ method, or a single model (the "No CP" rows) — and uses only its teacher-force
 - ``pii``: adaptive digit-by-digit PII extraction on Names2IDs (AEL, FER).
 - ``tte``: token-by-token extraction (selective-classification accuracy–coverage AUC, ACC).
 - ``lira``: offline LiRA membership inference (ROC AUC, TPR at low FPR, log-scale ROC).
+- ``mia``: the membership-inference suite (loss, zlib, Min-K%, Min-K%++, base-model reference,
+  LiRA) on the same members and non-members; ``stats``: bootstrap intervals and ROC metrics.
 - ``utility``: next-token accuracy and NLL on held-out data.
 - ``nas``: the normalized attack score of §5.4.
 - ``bounds_analysis``: per-position k_x / t_x / v_x distributions on real prompts (Def. 2.1,
@@ -29,7 +31,7 @@ from typing import Any
 
 _EXPORTS = {
     "Scorer": "scorer",
-    "LogitsScorer": "scorer",
+    "LogitsScorer": "logits_scorer",
     "ResultRow": "results",
     "save_results": "results",
     "load_results": "results",
@@ -43,7 +45,8 @@ _EXPORTS = {
     "accuracy_coverage_curve": "tte",
     "lira": "lira",
     "plot_roc": "lira",
-    "roc_auc": "lira",
+    "membership_inference": "mia",
+    "MIAResult": "mia",
     "utility": "utility",
     "nas": "nas",
     "nas_from_rows": "nas",

@@ -38,11 +38,11 @@ from scpdr.attacks.scorer import (
     Scorer,
     _field,
     _length_batches,
-    _split_components,
     encode,
     pad_batch,
     pad_token_id,
     scorer_name,
+    split_components,
 )
 from scpdr.errors import ConfigError
 
@@ -183,13 +183,13 @@ def bound_distributions(
     pid = pad_token_id(tok)
     for idx in _length_batches(seqs, batch_size):
         ids, mask = pad_batch([seqs[i] for i in idx], pad_id=pid, side="right")
-        logps, base = _split_components(
+        logps, base = split_components(
             _field(scorer.score(ids, mask, components=True), "components")
         )
         p0 = None
         if want_v:
             ref_comp = _field(ref_scorer.score(ids, mask, components=True), "components")
-            p0 = _split_components(ref_comp)[0][0]  # (B, T-1, V)
+            p0 = split_components(ref_comp)[0][0]  # (B, T-1, V)
         # positions to keep: real target token with index >= start
         tgt_pos = torch.arange(1, ids.shape[1]).expand(len(idx), -1)  # (B, T-1)
         keep = (mask[:, 1:] == 1) & (mask[:, :-1] == 1)

@@ -34,11 +34,13 @@ import numpy as np
 import torch
 
 from scpdr import bounds
+from scpdr.attacks.examples import example_ids
 from scpdr.attacks.mia import MIAScores, mia_rows, ratio_score
 from scpdr.attacks.pii import DEFAULT_PII_TEMPLATE, PIIRecord
 from scpdr.attacks.results import ResultRow
 from scpdr.attacks.scorer import batched_token_logprobs, encode, pad_batch, pad_token_id
 from scpdr.attacks.stats import bootstrap_ci
+from scpdr.errors import ConfigError
 
 __all__ = [
     "BUDGET_ATTACK",
@@ -297,11 +299,15 @@ def _mia_rows(
 
 
 def _ids(tok: Any, examples: Sequence[Any], max_tokens: int | None) -> list[list[int]]:
+    """Each example's whole token sequence (a prompted example: prompt and response; every
+    position is echoed and charged, :func:`echo_traces`); sequences under 2 tokens are dropped."""
     out = []
-    for x in examples:
-        text = x if isinstance(x, str) else getattr(x, "text", None)
-        ids = encode(tok, text) if text is not None else list(x)
-        out.append(ids[:max_tokens] if max_tokens is not None else ids)
+    for i, x in enumerate(examples):
+        try:
+            ids = example_ids(tok, x, max_tokens=max_tokens, label=f"example {i}")[0]
+        except ConfigError:
+            continue
+        out.append(ids)
     return [s for s in out if len(s) >= 2]
 
 

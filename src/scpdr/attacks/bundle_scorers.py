@@ -5,7 +5,8 @@ bounds stage of ``scpdr experiment``.
 :func:`load_scorers` gives a :class:`BundleScorers`: one ``ProtectedLM`` per method of
 :mod:`scpdr.methods` (its rule, with the base its spec names: Alg. 1's base model 'b' or constant
 vector 'c', paper §5.1), built when first used over models loaded once into a :class:`ModelStore`,
-plus LiRA's reference scorers (Theorems 4.4 and 4.5) and TTE's ``q``.
+plus LiRA's reference scorers (Theorems 4.4 and 4.5), the base model (the ``ref`` attack's
+reference) and TTE's ``q``.
 """
 
 from __future__ import annotations
@@ -218,20 +219,20 @@ class BundleScorers(Mapping[str, Scorer]):
         )
 
     @property
+    def base(self) -> Scorer | None:
+        """The bundle's base model alone (the ``ref`` attack's reference: it saw none of the
+        fine-tuning data), or None for a bundle without a base model."""
+        if "base" not in self._refs:
+            ref = self.manifest.base
+            self._refs["base"] = self._single(self._ref(ref)) if ref else None
+        return self._refs["base"]
+
+    @property
     def q(self) -> Scorer | None:
         if "q" not in self._refs:
             cons = self.manifest.constituents
             self._refs["q"] = self._single(self._ref(cons[1])) if len(cons) > 1 else None
         return self._refs["q"]
-
-    @property
-    def base(self) -> Scorer | None:
-        """The bundle's base model alone (the reference of the ``ref`` membership score), or
-        None for a bundle without a base model."""
-        if "base" not in self._refs:
-            base = self.manifest.base
-            self._refs["base"] = self._single(self._ref(base)) if base else None
-        return self._refs["base"]
 
     def reference_of(self, name: str) -> Scorer | None:
         """LiRA's reference scorer for method ``name`` (trained without the members).

@@ -1,12 +1,13 @@
 """What the evaluation pipeline (:mod:`scpdr.attacks.evaluation`) attacks: the target partition's
 training texts and Names2IDs records, the validation set, the canaries and their candidate space,
-LiRA's members and non-members — and the one rule that draws a subset of them (:func:`select`).
+the membership-inference suite's members and non-members (:meth:`EvalData.mia_population`) — and
+the one rule that draws a subset of them (:func:`select`).
 
 ``scpdr eval`` builds an :class:`EvalData` from a partition directory
 (:meth:`EvalData.from_partitions`, the layout of ``scpdr.data.save_partitions``); every attack
 stage of ``scpdr experiment`` builds it from the loaded partition set
-(:meth:`EvalData.from_partition_set`), with LiRA's members set to the targets its reference model
-p0 was trained without.
+(:meth:`EvalData.from_partition_set`), with the MIA suite's "records" members set to the targets
+its reference model p0 was trained without.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from scpdr.attacks.exposure import Canary, CanarySpace
+from scpdr.attacks.exposure import Canary, CanarySpace, random_canaries
 from scpdr.attacks.pii import PIIRecord
 from scpdr.attacks.secrets import SecretTarget, secret_targets
 from scpdr.errors import ConfigError
 
-__all__ = ["EvalData", "select"]
+__all__ = ["MIA_POPULATIONS", "EvalData", "MIAPopulation", "select"]
+
+#: Where the MIA suite's members and non-members come from: "canaries" (membership canaries,
+#: inserted once vs never inserted), "records" (the target partition's records vs validation
+#: records), "auto" (canaries when the data has them).
+MIA_POPULATIONS: tuple[str, ...] = ("auto", "canaries", "records")
 
 T = TypeVar("T")
 
@@ -50,6 +56,20 @@ def select(items: Sequence[T], n: int | None, *, seed: int, salt: str) -> list[T
 
 
 @dataclass
+class MIAPopulation:
+    """The MIA suite's examples: ``members`` and ``nonmembers``; ``lira_members`` the members
+    LiRA's reference never saw (None: all); ``null`` examples from the non-members' distribution
+    that no model saw, attacked as if members under No CP (the suite's No CP-val rows: what the
+    attacks reach without membership); ``name`` the population ("canaries" or "records")."""
+
+    members: list[Any]
+    nonmembers: list[Any]
+    lira_members: list[Any] | None
+    null: list[Any]
+    name: str
+
+
+@dataclass
 class EvalData:
     """The data the attacks read. Lists may be empty: an attack without its data is skipped
     with a log line (:func:`scpdr.attacks.evaluation.run_eval`).
@@ -61,8 +81,12 @@ class EvalData:
         pii / pii_val: Names2IDs records of the target partition / the validation set.
         canaries / canary_space: every canary (inserted and never-inserted, ``repetitions`` 0)
             and the space their secrets are drawn from.
-        members / nonmembers: LiRA's examples (texts or records: a prompted record is scored on
-            its response given its prompt, the paper's r(y|x)); None = ``train`` / ``validation``.
+        members / nonmembers: the "records" population of the MIA suite (texts or records: a
+            prompted record is scored on its response given its prompt, the paper's r(y|x));
+            None = ``train`` / ``validation``.
+        member_canaries / nonmember_canaries: the "canaries" population: membership canaries
+            inserted once / never inserted, as ``(prompt, response)`` pairs;
+            ``member_space``: the space they were drawn from (fresh draws are the null).
         records: the target partition's records (canary copies left out): the prompts of the
             side-by-side generations.
         secrets / secrets_val: the declared secrets of the target partition's / the validation
@@ -79,8 +103,52 @@ class EvalData:
     members: list[Any] | None = None
     nonmembers: list[Any] | None = None
     records: list[Any] = field(default_factory=list)
+    member_canaries: list[tuple[str, str]] = field(default_factory=list)
+    nonmember_canaries: list[tuple[str, str]] = field(default_factory=list)
+    member_space: CanarySpace | None = None
     secrets: list[SecretTarget] = field(default_factory=list)
     secrets_val: list[SecretTarget] = field(default_factory=list)
+
+    def mia_population(
+        self, kind: str = "auto", n: int | None = None, *, seed: int = 0
+    ) -> MIAPopulation | None:
+        """The MIA suite's examples (``n`` members and as many non-members, drawn by
+        :func:`select`), or None when the data has none of ``kind``.
+
+        "canaries": membership canaries inserted once vs never inserted — one distribution by
+        construction (Steinke et al. 2023); LiRA's reference (trained without any canary) can
+        use every member; the null is fresh draws of the same format. "records": the target
+        partition's records vs validation records (the distributions can differ); the null is
+        validation records not drawn as non-members."""
+        if kind not in MIA_POPULATIONS:
+            raise ConfigError(f"unknown MIA population {kind!r}; known: {list(MIA_POPULATIONS)}")
+        if kind == "auto":
+            kind = "canaries" if self.member_canaries and self.nonmember_canaries else "records"
+        if kind == "canaries":
+            if not (self.member_canaries and self.nonmember_canaries):
+                return None
+            mem = select(self.member_canaries, n, seed=seed, salt="mia-members")
+            non = select(self.nonmember_canaries, n, seed=seed, salt="mia-non")
+            null: list[Any] = []
+            if self.member_space is not None:
+                prefix = mem[0][0]
+                drawn = random_canaries(self.member_space, prefix, len(mem), seed=seed + 7919)
+                taken = {r for _, r in (*self.member_canaries, *self.nonmember_canaries)}
+                null = [
+                    (c.prefix, r)
+                    for c in drawn
+                    if (r := self.member_space.render(c.secret)) not in taken
+                ]
+            return MIAPopulation(mem, non, None, null, "canaries")
+        pool_m = self.members if self.members is not None else self.train
+        pool_n = self.nonmembers if self.nonmembers is not None else self.validation
+        if not pool_m or not pool_n:
+            return None
+        mem = select(pool_m, n, seed=seed, salt="mia-members")
+        non = select(pool_n, n, seed=seed, salt="mia-non")
+        rest = [x for x in pool_n if not any(x is y for y in non)]
+        null = select(rest, len(mem), seed=seed, salt="mia-null")
+        return MIAPopulation(mem, non, None, null, "records")
 
     @staticmethod
     def pii_records(records: Sequence[Any]) -> list[PIIRecord]:
@@ -116,8 +184,9 @@ class EvalData:
     ) -> EvalData:
         """The data of a loaded ``scpdr.data.PartitionSet``. ``target``: the partition whose
         constituent (``constituent <target>``, the No CP model when 0) is attacked — default the
-        canaries' partition, else 0. Canary copies are left out of the training texts; LiRA's
-        members are the target partition's records, its non-members the validation records."""
+        canaries' partition, else 0. Canary copies are left out of the training texts; the MIA
+        suite's "records" members are the target partition's records, its non-members the
+        validation records; its "canaries" population is the membership canaries."""
         from scpdr.data.canaries import load_wordlist, wordlist_hash
 
         reg = pset.canaries
@@ -148,4 +217,8 @@ class EvalData:
                 )
             data.canary_space = CanarySpace(tuple(words), n_words=reg.config.num_words)
             data.canaries = [Canary(c.prompt, tuple(c.words), c.repetitions) for c in reg.canaries]
+            data.member_canaries = [(c.prompt, c.response) for c in reg.members]
+            data.nonmember_canaries = [(c.prompt, c.response) for c in reg.nonmembers]
+            if reg.members:
+                data.member_space = CanarySpace(tuple(words), n_words=reg.config.member_words)
         return data

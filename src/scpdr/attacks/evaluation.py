@@ -5,10 +5,16 @@ bundle, data and options give the same rows (``tests/test_experiment.py`` checks
 
 - :func:`load_scorers`: a :class:`BundleScorers` — one ``ProtectedLM`` per result-row method
   (:mod:`scpdr.methods`), built lazily over one copy of each model (a :class:`ModelStore`, which
-  an experiment shares across its stages), plus LiRA's reference scorers and TTE's ``q``.
+  an experiment shares across its stages), plus LiRA's reference scorers, the base model (the
+  ``ref`` attack's reference) and TTE's ``q``.
 - :func:`run_eval`: every attack on every scorer, with wall-clock timings. The No CP scorer
   (``"none"``) also yields the No CP-val rows (paper Table 3: the same attacks on data the model
-  never saw — validation names, never-inserted canaries, validation texts for TTE).
+  never saw — validation names, never-inserted canaries, validation texts for TTE; for the MIA
+  suite, null examples no model saw attacked as if they were members).
+
+Every attack reads the model under the TDE game's protocol (Def. 4.2, ``docs/attacks.md``): each
+prefix a fresh request, a canary's secret the continuation of its prefix
+(:func:`scpdr.attacks.scorer.score_requests`).
 - :func:`generations`: greedy continuations of training prompts, side by side in the report.
 
 The data is an :class:`~scpdr.attacks.eval_data.EvalData`; every attack draws its examples with
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from scpdr.attacks.bundle_scorers import (
     BUNDLE_METHODS,
     BundleScorers,
@@ -33,13 +41,14 @@ from scpdr.attacks.bundle_scorers import (
     load_scorers,
     smoothing_method,
 )
-from scpdr.attacks.eval_data import EvalData, select
+from scpdr.attacks.eval_data import EvalData, MIAPopulation, select
 from scpdr.attacks.exposure import canary_exposure
-from scpdr.attacks.lira import LiRAResult, lira
+from scpdr.attacks.lira import LiRAResult
+from scpdr.attacks.mia import DEFAULT_K, MIAResult, membership_inference
 from scpdr.attacks.pii import pii_extraction
 from scpdr.attacks.results import NO_CP_VAL, ResultRow
 from scpdr.attacks.risk import record_ref_scores
-from scpdr.attacks.scorer import Scorer
+from scpdr.attacks.scorer import Scorer, scorer_name
 from scpdr.attacks.secrets import SecretsResult, secret_extraction
 from scpdr.attacks.tte import token_by_token_extraction
 from scpdr.attacks.utility import utility
@@ -66,8 +75,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The attacks of the pipeline (each yields result rows).
-ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility", "secrets")
+#: The attacks of the pipeline (each yields result rows). "mia" is the membership-inference suite
+#: (rows of attacks loss, zlib, min-k, min-k++, ref, lira: :data:`scpdr.attacks.mia.MIA_ATTACKS`).
+ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "mia", "utility", "secrets")
+#: Other names the pipeline accepts: "lira" runs the suite (LiRA is one of its attacks).
+ATTACK_ALIASES: dict[str, str] = {"lira": "mia"}
 
 # ------------------------------------------------------------------------------------ options
 
@@ -76,9 +88,11 @@ ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility", "secrets"
 class EvalOptions:
     """Sizes and knobs of :func:`run_eval` (``None`` = all examples / whole sequences).
 
-    ``*_n`` are example counts drawn by :func:`select` (seeded by ``seed``); LiRA draws as many
-    non-members as members. ``*_max_tokens`` truncate each example. ``seed`` also seeds the
-    canary exposure's reference sample."""
+    ``*_n`` are example counts drawn by :func:`select` (seeded by ``seed``); the MIA suite draws
+    ``mia_n`` members and as many non-members from ``mia_population`` (``lira_n`` /
+    ``lira_max_tokens``: older names of ``mia_n`` / ``mia_max_tokens``, used when those are
+    unset). ``*_max_tokens`` truncate each example. ``seed`` also seeds the canary exposure's
+    reference sample and every bootstrap."""
 
     n_reference: int = 10_000
     enumerate_limit: int = 1 << 14
@@ -90,6 +104,10 @@ class EvalOptions:
     tte_q_fails: bool = False
     lira_n: int | None = None
     lira_max_tokens: int | None = 256
+    mia_n: int | None = None
+    mia_max_tokens: int | None = None
+    mia_population: str = "auto"
+    mia_k: float = DEFAULT_K
     utility_n: int | None = None
     utility_max_tokens: int | None = 256
     secrets_n: int | None = None
@@ -99,11 +117,13 @@ class EvalOptions:
 
 @dataclass
 class EvalReport:
-    """Rows, wall-clock timings per (method, attack) and the LiRA results (for ROC curves)."""
+    """Rows, wall-clock timings per (method, attack), the MIA suite's results per method and
+    their LiRA part (for ROC curves)."""
 
     rows: list[ResultRow] = field(default_factory=list)
     timings: list[dict[str, Any]] = field(default_factory=list)
     lira: dict[str, LiRAResult] = field(default_factory=dict)
+    mia: dict[str, MIAResult] = field(default_factory=dict)
     secrets: dict[str, SecretsResult] = field(default_factory=dict)
 
     def roc_curves(self) -> dict[str, dict[str, Any]]:
@@ -115,29 +135,26 @@ class EvalReport:
         return out
 
 
-def check_attacks(attacks: Sequence[str]) -> None:
-    """Raise :class:`ConfigError` naming any of ``attacks`` that is not in :data:`ATTACKS`."""
-    bad = [a for a in attacks if a not in ATTACKS]
+def check_attacks(attacks: Sequence[str]) -> list[str]:
+    """``attacks`` with aliases resolved (:data:`ATTACK_ALIASES`), each once; raise
+    :class:`ConfigError` naming any that is not in :data:`ATTACKS`."""
+    bad = [a for a in attacks if a not in ATTACKS and a not in ATTACK_ALIASES]
     if bad:
-        raise ConfigError(f"unknown attack(s) {bad}; known: {', '.join(ATTACKS)}")
+        known = ", ".join([*ATTACKS, *ATTACK_ALIASES])
+        raise ConfigError(f"unknown attack(s) {bad}; known: {known}")
+    return list(dict.fromkeys(ATTACK_ALIASES.get(a, a) for a in attacks))
+
+
+def _population(data: EvalData, opts: EvalOptions) -> MIAPopulation | None:
+    n = opts.mia_n if opts.mia_n is not None else opts.lira_n
+    return data.mia_population(opts.mia_population, n, seed=opts.seed)
 
 
 def _examples(data: EvalData, opts: EvalOptions) -> dict[str, tuple[list[Any], Any, str]]:
     """attack -> (examples, No CP-val examples or None, what is missing when there are none);
-    LiRA's second item is its non-members."""
+    the MIA suite's are its :class:`MIAPopulation` (twice)."""
     seed = opts.seed
-    members = select(
-        data.members if data.members is not None else data.train,
-        opts.lira_n,
-        seed=seed,
-        salt="lira-members",
-    )
-    nonmembers = select(
-        data.nonmembers if data.nonmembers is not None else data.validation,
-        len(members),
-        seed=seed,
-        salt="lira-non",
-    )
+    pop = _population(data, opts)
     return {
         "canary": (
             list(data.canaries) if data.canary_space is not None else [],
@@ -154,10 +171,10 @@ def _examples(data: EvalData, opts: EvalOptions) -> dict[str, tuple[list[Any], A
             select(data.validation, opts.tte_n, seed=seed, salt="tte-val"),
             "no training texts",
         ),
-        "lira": (
-            members,
-            nonmembers,
-            "no members or no non-members (training and validation examples)",
+        "mia": (
+            [pop] if pop is not None else [],
+            pop,
+            f"no members or no non-members ({opts.mia_population} population)",
         ),
         "utility": (
             select(data.validation, opts.utility_n, seed=seed, salt="utility"),
@@ -178,12 +195,11 @@ def missing_data(
     """``{attack: what is missing}`` for each of ``attacks`` that ``data`` gives nothing to
     attack (:func:`run_eval` skips it). Check it before loading models: when it names every
     requested attack, an evaluation would produce no rows."""
-    check_attacks(attacks)
     ex = _examples(data, options or EvalOptions())
     out = {}
     for attack in attacks:
-        examples, second, missing = ex[attack]
-        if not examples or (attack == "lira" and not second):
+        examples, _, missing = ex[ATTACK_ALIASES.get(attack, attack)]
+        if not examples:
             out[attack] = missing
     return out
 
@@ -215,22 +231,21 @@ def run_eval(
     options: EvalOptions | None = None,
     reference: Callable[[str], Scorer | None] | Mapping[str, Scorer] | None = None,
     q_scorer: Scorer | None = None,
-    base_scorer: Scorer | None = None,
+    base: Scorer | None = None,
 ) -> EvalReport:
     """Run ``attacks`` (names of :data:`ATTACKS`) on every scorer; rows are named by the keys of
     ``scorers``. ``reference(method)`` (or a mapping) gives LiRA's reference scorer for a method
-    (trained without the members); ``q_scorer`` enables TTE's "q fails" rows; ``base_scorer``
-    (the base model alone) gives the secrets attack each record's ``ref`` score. For a
-    :class:`BundleScorers` they default to its own (:meth:`BundleScorers.reference_of`, ``q``,
-    ``base``).
-    An attack without its data (:func:`missing_data`) is skipped with a log line."""
+    (trained without the members); ``base`` is the ``ref`` attack's reference (the base model);
+    ``q_scorer`` enables TTE's "q fails" rows; ``base`` also gives the secrets attack each
+    record's ``ref`` score. For a :class:`BundleScorers` all three default to
+    its own (:meth:`BundleScorers.reference_of`, ``base``, ``q``). An attack without its data
+    (:func:`missing_data`) is skipped with a log line."""
     opts = options or EvalOptions()
-    check_attacks(attacks)
+    attacks = check_attacks(attacks)
     if isinstance(scorers, BundleScorers):
         reference = reference if reference is not None else scorers.reference_of
+        base = base if base is not None else scorers.base
         q_scorer = q_scorer if q_scorer is not None else (scorers.q if opts.tte_q_fails else None)
-        if base_scorer is None and "secrets" in attacks:
-            base_scorer = scorers.base
     ref_of: Callable[[str], Scorer | None]
     if reference is None:
         ref_of = lambda _m: None  # noqa: E731
@@ -240,7 +255,7 @@ def run_eval(
         ref_of = reference
     rep = EvalReport()
     corpus = data.corpus
-    lira_cache: dict = {}  # reference scores, shared by the methods that share a reference
+    ref_cache: dict = {}  # base / reference scores, shared by the methods that share them
 
     def timed(method: str, attack: str, n: int, fn: Callable[[], list[ResultRow]]) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -285,20 +300,42 @@ def run_eval(
         )
         return res.rows(method=name, corpus=corpus)
 
+    def mia_rows(
+        scorer: Scorer, pop: MIAPopulation, name: str, ref: Scorer | None, b: Scorer | None
+    ) -> list[ResultRow]:
+        res = membership_inference(
+            scorer,
+            pop.members,
+            pop.nonmembers,
+            base=b,
+            reference=ref,
+            lira_members=pop.lira_members,
+            population=pop.name,
+            method=name,
+            k=opts.mia_k,
+            max_tokens=opts.mia_max_tokens or opts.lira_max_tokens,
+            batch_size=opts.batch_size,
+            cache=ref_cache,
+        )
+        rep.mia[name] = res
+        mem, non = res.scores.members.get("lira"), res.scores.nonmembers.get("lira")
+        if mem and non:  # LiRA alone, for `scpdr eval`'s ROC plot
+            labels = np.r_[np.ones(len(mem), bool), np.zeros(len(non), bool)]
+            rep.lira[name] = LiRAResult(np.r_[mem, non], labels, name, scorer_name(ref))
+        return res.rows(method=name, corpus=corpus, seed=opts.seed)
+
     def utility_rows(scorer: Scorer, val: list[Any], name: str) -> list[ResultRow]:
         res = utility(scorer, val, max_tokens=opts.utility_max_tokens, batch_size=opts.batch_size)
         return res.rows(method=name, corpus=corpus)
 
-    ref_cache: dict = {}  # the base model's log-probs, shared by the methods
-
     def secrets_rows(scorer: Scorer, targets: list[Any], name: str) -> list[ResultRow]:
         res = secret_extraction(scorer, targets, batch_size=opts.batch_size)
         if name != NO_CP_VAL:  # the per-record risk report (attacks/risk.py)
-            if base_scorer is not None:
+            if base is not None:
                 texts = {t.record: t.text for t in targets}
                 res.ref = record_ref_scores(
                     scorer,
-                    base_scorer,
+                    base,
                     texts,
                     batch_size=opts.batch_size,
                     max_tokens=opts.lira_max_tokens,
@@ -329,29 +366,18 @@ def run_eval(
                     timed(
                         NO_CP_VAL, attack, len(none_val), partial(fn, scorer, none_val, NO_CP_VAL)
                     )
-            elif attack == "lira":
-                members, non, _ = examples_of["lira"]
-                ref = ref_of(method) if members and non else None
-                if ref is None:
-                    log.info(
-                        "lira: %s skipped (members, non-members and a reference needed)", method
-                    )
+            elif attack == "mia":
+                pop = examples_of["mia"][1]
+                if pop is None:
+                    log.info("mia: %s, skipped", examples_of["mia"][2])
                     continue
-
-                def run_lira(method=method, scorer=scorer, ref=ref, members=members, non=non):
-                    res = lira(
-                        scorer,
-                        ref,
-                        members,
-                        non,
-                        max_tokens=opts.lira_max_tokens,
-                        batch_size=opts.batch_size,
-                        cache=lira_cache,
-                    )
-                    rep.lira[method] = res
-                    return res.rows(method=method, corpus=corpus)
-
-                timed(method, "lira", len(members) + len(non), run_lira)
+                n = len(pop.members) + len(pop.nonmembers)
+                mia_fn = partial(mia_rows, scorer, pop, method, ref_of(method), base)
+                timed(method, "mia", n, mia_fn)
+                if method == "none" and pop.null:  # No CP on examples no model saw
+                    null = MIAPopulation(pop.null, pop.nonmembers, None, [], pop.name)
+                    null_fn = partial(mia_rows, scorer, null, NO_CP_VAL, ref_of(method), base)
+                    timed(NO_CP_VAL, "mia", len(pop.null) + len(pop.nonmembers), null_fn)
     return rep
 
 

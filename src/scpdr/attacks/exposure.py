@@ -32,6 +32,7 @@ import numpy as np
 
 from scpdr.attacks.results import ResultRow, bootstrap_std
 from scpdr.attacks.scorer import Scorer, batched_token_logprobs, encode, scorer_name
+from scpdr.attacks.stats import bootstrap_ci, ci_extra
 from scpdr.errors import ConfigError
 
 __all__ = [
@@ -186,9 +187,12 @@ class ExposureResult:
 def _score_logppl(
     scorer: Scorer, prefix_ids: list[int], secret_ids: Sequence[list[int]], *, batch_size: int
 ) -> np.ndarray:
-    """``L = -sum log Pr[secret tokens | prefix, earlier secret tokens]`` for each secret."""
+    """``L = -sum log Pr[secret tokens | prefix, earlier secret tokens]`` for each secret: the
+    prefix is the prompt and the secret its continuation, as ``generate`` would produce it
+    (CP-Fuse's path starts at the prefix's end; the TDE game's protocol, Def. 4.2)."""
     seqs = [prefix_ids + s for s in secret_ids]
-    tls = batched_token_logprobs(scorer, seqs, batch_size=batch_size)
+    prompts = [len(prefix_ids)] * len(seqs)
+    tls = batched_token_logprobs(scorer, seqs, batch_size=batch_size, prompt_lengths=prompts)
     start = len(prefix_ids) - 1  # position t of token_logprobs predicts token t + 1
     return np.array([-float(tl[start:].sum()) for tl in tls], dtype=np.float64)
 
@@ -288,6 +292,7 @@ def exposure_rows(
     row), and ``baseline_exposure_mean`` / ``baseline_exposure_p95`` for the never-inserted
     canaries (``repetitions == 0``; flagged ``baseline: true``, no ``repetitions`` key).
 
+    ``ci_low``/``ci_high``: the 95% percentile-bootstrap interval over canaries.
     ``stderr`` is the bootstrap standard error of the statistic; ``std`` is the spread across
     canaries for the mean and ``stderr * sqrt(n)`` for the percentile (so that ``std / sqrt(n)``
     is the standard error for every row, as the report's STE row reads it). Inserted groups
@@ -311,7 +316,7 @@ def exposure_rows(
             std = float(vals.std(ddof=1)) if vals.size > 1 else 0.0
         else:
             std = se * math.sqrt(vals.size)
-        row_extra = {**row_extra, "stderr": se}
+        row_extra = {**row_extra, "stderr": se, **ci_extra(bootstrap_ci(vals, fn, n_boot=n_boot))}
         base = baseline.get(metric)
         if base is not None:
             row_extra["baseline_value"] = base[0]

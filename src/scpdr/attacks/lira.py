@@ -14,184 +14,93 @@ that attack, made concrete:
   log r0(y_t|x, y_<t)]`` over the tokens of ``y`` (the chain rule: the log of the ratio of the
   continuation's likelihoods; ``statistic="mean"`` divides by its length instead, which is not a
   likelihood ratio and ranks examples of different lengths differently);
-- ``y`` is what the adversary does not already hold: for a ``(prompt, response)`` example (a
-  ``Record`` with a prompt, or a pair of strings) only the response tokens are scored,
-  conditioned on the prompt — for Names2IDs the ID digits given ``"Name: <name>, ID:"``, the PII
-  game of §5.1; a plain text (or a token list) is scored from its second token on (every token
-  given the ones before it, as in TTE). Members and non-members go through the same rule.
+- ``y`` is what the adversary does not already hold (:func:`scpdr.attacks.examples.example_ids`):
+  for a ``(prompt, response)`` example (a ``Record`` with a prompt, or a pair of strings) only the
+  response tokens are scored, conditioned on the prompt — for Names2IDs the ID digits given
+  ``"Name: <name>, ID:"``, the PII game of §5.1; a plain text (or a token list) is scored from its
+  second token on (every token given the ones before it, as in TTE). Members and non-members go
+  through the same rule.
 
 Higher statistic = predicted member. Reported: ROC AUC and TPR at 1% and 0.1% FPR (the largest
 TPR whose FPR is at most the level; with fewer than ``1/level`` non-members only FPR = 0
-qualifies, so ``n_nonmembers`` is reported too), and :func:`plot_roc` draws the log-scale ROC
-(matplotlib, Agg backend).
+qualifies, so ``n_nonmembers`` is reported too), from scikit-learn with stratified bootstrap 95%
+intervals (:func:`scpdr.attacks.stats.roc_metrics`), and :func:`plot_roc` draws the log-scale ROC
+(matplotlib, Agg backend). The MIA suite (:func:`scpdr.attacks.mia.membership_inference`) runs the
+same ratio beside the reference-free attacks.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from scpdr.attacks.pii import _common_prefix
+from scpdr.attacks.examples import cached_token_logprobs, example_ids
+from scpdr.attacks.mia import metric_name
 from scpdr.attacks.results import ResultRow
-from scpdr.attacks.scorer import Scorer, batched_token_logprobs, encode, scorer_name
+from scpdr.attacks.scorer import Scorer, scorer_name
+from scpdr.attacks.stats import FPR_LEVELS, RocMetrics, ci_extra, roc_metrics
 from scpdr.errors import ConfigError
 
-__all__ = [
-    "LiRAResult",
-    "lira",
-    "plot_roc",
-    "roc_auc",
-    "roc_curve",
-    "tpr_at_fpr",
-]
-
-FPR_LEVELS = (0.01, 0.001)
-
-
-def roc_curve(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(fpr, tpr)`` from ``(0, 0)`` to ``(1, 1)`` over every distinct threshold (higher score =
-    predicted member; ``labels`` 1 = member). Tied scores move together (a diagonal step)."""
-    s = np.asarray(scores, dtype=np.float64).ravel()
-    y = np.asarray(labels).astype(bool).ravel()
-    if s.shape != y.shape:
-        raise ValueError("scores and labels must have the same length")
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    if n_pos == 0 or n_neg == 0:
-        raise ConfigError("a ROC curve needs both members and non-members")
-    order = np.argsort(-s, kind="stable")
-    s, y = s[order], y[order]
-    last_of_tie = np.r_[s[1:] != s[:-1], True]
-    tp = np.cumsum(y)[last_of_tie]
-    fp = np.cumsum(~y)[last_of_tie]
-    return np.r_[0.0, fp / n_neg], np.r_[0.0, tp / n_pos]
-
-
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve (trapezoids; ties count 1/2: the Mann–Whitney statistic)."""
-    fpr, tpr = roc_curve(scores, labels)
-    return float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2.0))
-
-
-def tpr_at_fpr(fpr: np.ndarray, tpr: np.ndarray, level: float) -> float:
-    """The largest TPR among ROC points with ``FPR <= level``."""
-    ok = np.asarray(fpr) <= level + 1e-12
-    return float(np.max(np.asarray(tpr)[ok])) if ok.any() else 0.0
+__all__ = ["LiRAResult", "lira", "plot_roc"]
 
 
 @dataclass
 class LiRAResult:
     """Per example: the log-likelihood-ratio statistic (``float[N]``) and membership
-    (``bool[N]``)."""
+    (``bool[N]``); ROC metrics from :func:`scpdr.attacks.stats.roc_metrics` (scikit-learn, with
+    stratified bootstrap intervals)."""
 
     scores: np.ndarray
     members: np.ndarray
     method: str = "scorer"
     reference: str = "reference"
+    _metrics: RocMetrics | None = field(default=None, repr=False, compare=False)
+
+    def metrics(self) -> RocMetrics:
+        if self._metrics is None:
+            self._metrics = roc_metrics(self.scores[self.members], self.scores[~self.members])
+        return self._metrics
 
     def roc(self) -> tuple[np.ndarray, np.ndarray]:
-        return roc_curve(self.scores, self.members)
+        """``(fpr, tpr)`` from ``(0, 0)`` to ``(1, 1)`` (scikit-learn's ``roc_curve``)."""
+        met = self.metrics()
+        return met.fpr_curve, met.tpr_curve
 
     @property
     def auc(self) -> float:
-        return roc_auc(self.scores, self.members)
+        return self.metrics().auc.value
 
     def tpr_at(self, level: float) -> float:
-        return tpr_at_fpr(*self.roc(), level)
+        met = self.metrics()
+        if level in met.tpr:
+            return met.tpr[level].value
+        return (
+            roc_metrics(
+                self.scores[self.members], self.scores[~self.members], fpr_levels=(level,), n_boot=1
+            )
+            .tpr[level]
+            .value
+        )
 
     def rows(self, *, method: str | None = None, corpus: str | None = None) -> list[ResultRow]:
         method = method or self.method
+        met = self.metrics()
         n = int(self.scores.size)
         extra = {
-            "n_members": int(self.members.sum()),
-            "n_nonmembers": int((~self.members).sum()),
+            "n_members": met.n_members,
+            "n_nonmembers": met.n_nonmembers,
             "reference": self.reference,
         }
-        out = [ResultRow(method, "lira", "auc", self.auc, n, None, corpus, extra)]
-        for level in FPR_LEVELS:
-            out.append(
-                ResultRow(
-                    method, "lira", f"tpr@{level:g}fpr", self.tpr_at(level), n, None, corpus, extra
-                )
-            )
-        return out
-
-
-def _prompt_response(x: Any) -> tuple[str, str] | None:
-    """``(prompt, full text)`` of a prompted example, ``None`` for a plain text / token list."""
-    if isinstance(x, tuple) and len(x) == 2 and all(isinstance(v, str) for v in x):
-        prompt, response = x
-        return (prompt, prompt + response) if prompt else None
-    prompt = getattr(x, "prompt", None)
-    if not isinstance(prompt, str) or not prompt:
-        return None
-    text = getattr(x, "text", None)
-    if isinstance(text, str) and text.startswith(prompt):
-        return prompt, text  # what the constituent was trained on
-    return prompt, prompt + str(getattr(x, "response", None) or "")
-
-
-def _example_ids(tok: Any, x: Any, *, max_tokens: int | None, label: str) -> tuple[list[int], int]:
-    """(token IDs, index of the first scored token) of one example."""
-    if isinstance(x, str):
-        ids, start = encode(tok, x), 1
-    elif (pr := _prompt_response(x)) is not None:
-        prompt, full = pr
-        ids, p_ids = encode(tok, full), encode(tok, prompt)
-        # skip the tokens the prompt and the full text share (a merge at the seam is scored)
-        start = max(_common_prefix(ids, p_ids), 1)
-    elif isinstance(x, Sequence) and all(isinstance(v, (int, np.integer)) for v in x):
-        ids, start = [int(v) for v in x], 1
-    else:
-        text = getattr(x, "text", None)
-        if not isinstance(text, str):
-            raise ConfigError(
-                f"LiRA {label} is a {type(x).__name__}: pass a text, a token list, a "
-                "(prompt, response) pair or a record with prompt/response or text"
-            )
-        ids, start = encode(tok, text), 1
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    if len(ids) <= start:
-        raise ConfigError(
-            f"LiRA {label} has no token to score ({len(ids)} tokens; scored tokens start at "
-            f"index {start}{'' if max_tokens is None else f', max_tokens={max_tokens}'}): give it a "
-            "non-empty response / at least 2 tokens, or raise max_tokens"
-        )
-    return ids, start
-
-
-def _seq_stats(
-    target: Scorer,
-    reference: Scorer,
-    seqs: list[list[int]],
-    starts: list[int],
-    *,
-    statistic: str,
-    batch_size: int,
-    cache: dict | None,
-) -> np.ndarray:
-    t = batched_token_logprobs(target, seqs, batch_size=batch_size)
-    # The cache entry keeps the reference object itself alive, so its id() cannot be reused by
-    # a later reference while the entry exists (an id-keyed entry alone would be stale then).
-    key = ("lira-reference", id(reference), tuple(map(tuple, seqs)))
-    hit = cache.get(key) if cache is not None else None
-    if hit is not None:
-        r = hit[1]
-    else:
-        r = batched_token_logprobs(reference, seqs, batch_size=batch_size)
-        if cache is not None:
-            cache[key] = (reference, r)
-    out = np.empty(len(seqs))
-    for i, (a, b, start) in enumerate(zip(t, r, starts, strict=True)):
-        # position j of a teacher-forced score is the log-prob of token j + 1
-        d = (a - b).double().numpy()[start - 1 :]
-        out[i] = d.sum() if statistic == "sum" else d.mean()
-    return out
+        ests = {"auc": met.auc, **{metric_name(lv): met.tpr[lv] for lv in FPR_LEVELS}}
+        return [
+            ResultRow(method, "lira", metric, e.value, n, None, corpus, {**extra, **ci_extra(e)})
+            for metric, e in ests.items()
+        ]
 
 
 def lira(
@@ -210,34 +119,31 @@ def lira(
 
     Examples: texts (every token after the first is scored), token lists (likewise), or
     ``(prompt, response)`` pairs / records with a ``prompt`` (only the response is scored, given
-    the prompt: the paper's ``r1(y|x) / r0(y|x)`` with ``x`` the prefix the adversary holds).
-    ``statistic``: ``"sum"`` (default: the log-likelihood ratio of the scored tokens) or
-    ``"mean"`` (per scored token). ``max_tokens`` truncates each full example (prompt included).
-    ``cache``: a dict kept across calls that share a reference scorer object (e.g. ``q`` for
-    every method), so its scores are computed once."""
+    the prompt: the paper's ``r1(y|x) / r0(y|x)`` with ``x`` the prefix the adversary holds);
+    every prefix is a fresh request. ``statistic``: ``"sum"`` (default: the log-likelihood ratio
+    of the scored tokens) or ``"mean"`` (per scored token). ``max_tokens`` truncates each full
+    example (prompt included). ``cache``: a dict kept across calls that share a reference scorer
+    object (e.g. ``q`` for every method), so its scores are computed once."""
     if statistic not in ("mean", "sum"):
         raise ConfigError(f"statistic must be 'mean' or 'sum', got {statistic!r}")
     if not members or not nonmembers:
         raise ConfigError("LiRA needs at least one member and one non-member example")
     tok = target.tokenizer
     examples = [*members, *nonmembers]
-    labels_txt = [f"member {i}" for i in range(len(members))]
-    labels_txt += [f"non-member {i}" for i in range(len(nonmembers))]
+    labels_txt = [f"LiRA member {i}" for i in range(len(members))]
+    labels_txt += [f"LiRA non-member {i}" for i in range(len(nonmembers))]
     pairs = [
-        _example_ids(tok, x, max_tokens=max_tokens, label=lab)
+        example_ids(tok, x, max_tokens=max_tokens, label=lab)
         for x, lab in zip(examples, labels_txt, strict=True)
     ]
     seqs = [p[0] for p in pairs]
-    starts = [p[1] for p in pairs]
-    scores = _seq_stats(
-        target,
-        reference,
-        seqs,
-        starts,
-        statistic=statistic,
-        batch_size=batch_size,
-        cache=cache,
-    )
+    t = cached_token_logprobs(target, seqs, batch_size=batch_size, cache=None)
+    r = cached_token_logprobs(reference, seqs, batch_size=batch_size, cache=cache)
+    scores = np.empty(len(seqs))
+    for i, (a, b, (_, start)) in enumerate(zip(t, r, pairs, strict=True)):
+        # position j of a teacher-forced score is the log-prob of token j + 1
+        d = (a - b).double().numpy()[start - 1 :]
+        scores[i] = d.sum() if statistic == "sum" else d.mean()
     labels = np.r_[np.ones(len(members), dtype=bool), np.zeros(len(nonmembers), dtype=bool)]
     return LiRAResult(scores, labels, scorer_name(target), scorer_name(reference, "reference"))
 

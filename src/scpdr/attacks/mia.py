@@ -21,10 +21,18 @@ lira      sum_t [log r_1(y_t | y_<t) − log r_0(y_t | y_<t)], r_0 = the method 
 ``ref`` and ``lira`` are log-likelihood ratios of the scored continuation (the chain rule sums
 per-token ratios), the statistic the paper's bounds t_x / v_x constrain (Thm 4.4, 4.5).
 
-:func:`scores_from_stats` computes the reference-free scores from per-token statistics;
-:func:`mia_rows` turns member/non-member scores into result rows (ROC AUC, TPR at 1% and 0.1%
-FPR, each with a bootstrap 95% CI, ``n_members``/``n_nonmembers``) via
-:func:`scpdr.attacks.stats.roc_metrics` (scikit-learn).
+What is scored of an example is :func:`scpdr.attacks.examples.example_ids`' rule (a prompted
+example: its response given its prompt; a text: every token after the first), every prefix a
+fresh request (:func:`scpdr.attacks.scorer.score_requests`).
+
+:func:`membership_inference` runs the suite on one target; :func:`scores_from_stats` computes the
+reference-free scores from per-token statistics; :func:`mia_rows` turns member/non-member scores
+into result rows (ROC AUC, TPR at 1% and 0.1% FPR, each with a bootstrap 95% CI,
+``n_members``/``n_nonmembers``) via :func:`scpdr.attacks.stats.roc_metrics` (scikit-learn).
+
+An AUC below 0.5 is leakage too (an attacker who knows the direction flips the test): the report
+ranks protection by ``|AUC − 0.5|`` (:func:`auc_distance`); the scores keep their theoretical
+orientation (higher = member) so the rows are the raw test's.
 """
 
 from __future__ import annotations
@@ -32,20 +40,27 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from scpdr.attacks.examples import cached_token_logprobs, example_ids
 from scpdr.attacks.results import ResultRow
+from scpdr.attacks.scorer import batched_position_stats, scorer_name
 from scpdr.attacks.stats import FPR_LEVELS, N_BOOT, RocMetrics, roc_metrics
 
 __all__ = [
     "DEFAULT_K",
     "MIA_ATTACKS",
+    "MIA_LABELS",
     "MIA_METRICS",
     "REFERENCE_FREE",
     "ExampleStats",
+    "MIAResult",
     "MIAScores",
+    "auc_distance",
     "loss_score",
+    "membership_inference",
     "metric_name",
     "mia_rows",
     "min_k_plus_plus_score",
@@ -57,6 +72,15 @@ __all__ = [
 
 #: The suite, in report order.
 MIA_ATTACKS: tuple[str, ...] = ("loss", "zlib", "min-k", "min-k++", "ref", "lira")
+#: Display names of the attacks (report tables and plots).
+MIA_LABELS: dict[str, str] = {
+    "loss": "LOSS",
+    "zlib": "zlib",
+    "min-k": "Min-K%",
+    "min-k++": "Min-K%++",
+    "ref": "Ref (base)",
+    "lira": "LiRA (p0)",
+}
 #: Attacks that need no reference model.
 REFERENCE_FREE: tuple[str, ...] = ("loss", "zlib", "min-k", "min-k++")
 #: The fraction of lowest-scoring tokens Min-K% and Min-K%++ average (both papers' default).
@@ -218,3 +242,109 @@ def mia_rows(
                 )
             )
     return rows
+
+
+def auc_distance(auc: float) -> float:
+    """``|AUC − 0.5|``: how far a membership test is from chance in either direction (a test
+    below 0.5 flipped is as good as its mirror above)."""
+    return abs(float(auc) - 0.5)
+
+
+@dataclass
+class MIAResult:
+    """The suite's scores on one target (:class:`MIAScores`), the population they came from
+    (``"canaries"`` / ``"records"``) and how many examples LiRA could use."""
+
+    scores: MIAScores
+    population: str = "records"
+
+    def rows(
+        self, *, method: str | None = None, corpus: str | None = None, seed: int = 0
+    ) -> list[ResultRow]:
+        sc = self.scores
+        if method is not None and method != sc.method:
+            sc = MIAScores(method, sc.members, sc.nonmembers)
+        return mia_rows(sc, corpus=corpus, seed=seed, extra={"population": self.population})
+
+    def curves(self) -> dict[str, dict[str, Any]]:
+        """``{attack: {"fpr", "tpr", "auc"}}``: the ROC of every attack (for the plots)."""
+        out = {}
+        for attack in self.scores.attacks():
+            met = self.scores.metrics(attack, n_boot=1)
+            out[attack] = {
+                "fpr": met.fpr_curve.tolist(),
+                "tpr": met.tpr_curve.tolist(),
+                "auc": met.auc.value,
+            }
+        return out
+
+
+def _subset(members: Sequence[Any], chosen: Sequence[Any] | None) -> list[int]:
+    """Indices of ``members`` that are in ``chosen`` (all when ``chosen`` is None)."""
+    if chosen is None:
+        return list(range(len(members)))
+    chosen = list(chosen)
+    return [i for i, m in enumerate(members) if any(m is c or m == c for c in chosen)]
+
+
+def membership_inference(
+    target: Any,
+    members: Sequence[Any],
+    nonmembers: Sequence[Any],
+    *,
+    base: Any = None,
+    reference: Any = None,
+    lira_members: Sequence[Any] | None = None,
+    population: str = "records",
+    method: str | None = None,
+    k: float = DEFAULT_K,
+    max_tokens: int | None = None,
+    batch_size: int = 16,
+    cache: dict | None = None,
+) -> MIAResult:
+    """Every attack of :data:`MIA_ATTACKS` on ``target`` (a :class:`~scpdr.attacks.scorer.Scorer`)
+    with the same members and non-members (texts, token lists, ``(prompt, response)`` pairs or
+    records; :func:`~scpdr.attacks.examples.example_ids` says what is scored).
+
+    ``base``: the reference of ``ref`` (the bundle's base model; skipped when None).
+    ``reference``: LiRA's offline reference, trained without the members (for a NAF method the
+    same method over ``p0``: Thm 4.5's worst case; skipped when None); ``lira_members``: the
+    members that reference never saw (default: all). ``cache``: a dict kept across calls, so the
+    base's and reference's scores of the same examples are computed once.
+    """
+    if not members or not nonmembers:
+        raise ValueError(
+            f"membership inference needs members and non-members, got {len(members)} and "
+            f"{len(nonmembers)}"
+        )
+    tok = target.tokenizer
+    labels = [f"member {i}" for i in range(len(members))]
+    labels += [f"non-member {i}" for i in range(len(nonmembers))]
+    pairs = [
+        example_ids(tok, x, max_tokens=max_tokens, label=lab)
+        for x, lab in zip([*members, *nonmembers], labels, strict=True)
+    ]
+    seqs = [p[0] for p in pairs]
+    starts = [p[1] - 1 for p in pairs]  # position t of a score is about token t + 1
+    stats = batched_position_stats(target, seqs, batch_size=batch_size)
+    n_mem = len(members)
+    out = MIAScores(method or scorer_name(target))
+    for i, (st, seq, s0) in enumerate(zip(stats, seqs, starts, strict=True)):
+        ex = ExampleStats(
+            st.token_logprobs[s0:], st.mu[s0:], st.sigma[s0:], tok.decode(seq[s0 + 1 :])
+        )
+        for attack, score in scores_from_stats(ex, k=k).items():
+            out.add(attack, member=i < n_mem, score=score)
+    ratio_refs = [("ref", base, None), ("lira", reference, lira_members)]
+    for attack, ref, chosen in ratio_refs:
+        if ref is None:
+            continue
+        keep = set(_subset(members, chosen)) | set(range(n_mem, len(seqs)))
+        idx = [i for i in range(len(seqs)) if i in keep]
+        ref_lp = cached_token_logprobs(
+            ref, [seqs[i] for i in idx], batch_size=batch_size, cache=cache
+        )
+        for i, r in zip(idx, ref_lp, strict=True):
+            t = stats[i].token_logprobs[starts[i] :]
+            out.add(attack, member=i < n_mem, score=ratio_score(t, r.double().numpy()[starts[i] :]))
+    return MIAResult(out, population)

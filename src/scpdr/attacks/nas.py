@@ -11,6 +11,11 @@ main table uses the same rule and this function. All attack columns are "higher 
 so nothing is flipped; utility is not part of NAS. A column whose values are all equal
 normalizes to 0. A method missing a column is averaged over the columns it has.
 
+Membership inference (``scpdr.attacks.mia``) is not part of NAS (the paper's definition): a ROC
+AUC below .5 is a flipped test — leakage, not protection — and min-max normalizing it as "lower is
+better" would rank it the best. The report ranks those by ``|AUC − .5|`` in their own table. (TTE's
+AUC is the accuracy–coverage area of selective classification, where lower is less extraction.)
+
 On the paper's own table this gives No CP .99, CP-Δ .47, CP-Δ_KL .76, CP-Fuse .50, CP-Δr .22,
 SCP-Δr-c .17, SCP-Δr-b .11, No CP-val .002 (``tests/attacks/test_nas.py`` checks it).
 """

@@ -9,6 +9,8 @@ notes. It stops once the extracted text leaves the true ID or the ID is complete
   adversary got right.
 - **FER** (full-ID extraction rate): the fraction of IDs extracted completely.
 
+Both with a 95% bootstrap interval over the names.
+
 Run on the target partition's names it measures extraction; run on validation names (names the
 model never saw, reported as the No CP-val row) it is the chance baseline.
 """
@@ -24,6 +26,7 @@ import numpy as np
 
 from scpdr.attacks.results import ResultRow, mean_and_std
 from scpdr.attacks.scorer import Scorer, batched_next_token, encode, scorer_name
+from scpdr.attacks.stats import bootstrap_ci, ci_extra
 from scpdr.errors import ConfigError
 
 __all__ = ["DEFAULT_PII_TEMPLATE", "PIIRecord", "PIIResult", "pii_extraction"]
@@ -68,13 +71,12 @@ class PIIResult:
         out = []
         for metric, vals in (("ael", self.extracted), ("fer", self.full.astype(np.float64))):
             mean, std, n = mean_and_std(vals)
-            out.append(
-                ResultRow(method, "pii", metric, mean, n, std, corpus, {"id_length": id_len})
-            )
+            extra = {"id_length": id_len, **ci_extra(bootstrap_ci(vals))}
+            out.append(ResultRow(method, "pii", metric, mean, n, std, corpus, extra))
         return out
 
 
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """How many leading items ``a`` and ``b`` share (characters of strings, token ids, ...)."""
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -126,7 +128,7 @@ def pii_extraction(
             text = tok.decode(generated[i]).lstrip()
             texts[i] = text
             target = records[i].id
-            k = _common_prefix(text, target)
+            k = common_prefix(text, target)
             extracted[i] = k
             left_the_id = len(text) > k
             if not left_the_id and k < len(target) and len(generated[i]) < budgets[i]:

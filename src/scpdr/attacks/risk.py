@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from scpdr import methods as M
+from scpdr.attacks.examples import cached_token_logprobs
 from scpdr.attacks.mia import ratio_score
 from scpdr.attacks.scorer import Scorer, batched_token_logprobs, encode
 from scpdr.attacks.secrets import SecretsResult
@@ -58,13 +59,7 @@ def record_ref_scores(
     if not seqs:
         return {}
     target = batched_token_logprobs(scorer, seqs, batch_size=batch_size)
-    key = "|".join(ids[j] for j in keep)
-    if cache is not None and key in cache:
-        reference = cache[key]
-    else:
-        reference = batched_token_logprobs(base, seqs, batch_size=batch_size)
-        if cache is not None:
-            cache[key] = reference
+    reference = cached_token_logprobs(base, seqs, batch_size=batch_size, cache=cache)
     return {
         ids[j]: ratio_score(t.numpy(), r.numpy())
         for j, t, r in zip(keep, target, reference, strict=True)

@@ -1,4 +1,5 @@
-"""The one interface every attack talks to: a :class:`Scorer`.
+"""The one interface every attack talks to — a :class:`Scorer` — and the one way attacks query it:
+the protocol of the black-box TDE game (Def. 4.2).
 
 A scorer is a ``scpdr.ProtectedLM`` under any method, or a single model wrapped as the "No CP"
 scorer (``ProtectedLM.from_model``). Attacks use only its black-box surface — teacher-forced
@@ -6,37 +7,50 @@ scorer (``ProtectedLM.from_model``). Attacks use only its black-box surface — 
 the bound analysis (``scpdr.attacks.bounds_analysis``) is the one in-process exception, through
 ``score(..., components=True)``.
 
-:class:`LogitsScorer` turns any ``logits_fn(input_ids, attention_mask) -> Tensor[B, T, V]`` into a
-scorer. Tests use it with hand-written distributions (a model that has memorized its data
-exactly, a uniform model, a random bigram model) whose attack results are known in closed form.
+**The protocol.** In the TDE game the adversary *queries* the model with a prefix and reads the
+next-token distribution a fresh API request returns. Every attack reads the model through
+:func:`score_requests` (and the batching helpers built on it), never through ``scorer.score``:
 
-The batching helpers here pad, sort by length, and undo the sort, so the attacks can hand over
-ragged token lists: right padding for teacher-forced ``score`` (position ``t`` of the output is
-the log-prob of token ``t + 1``), left padding for ``next_token_logprobs`` (the next token follows
-the last column).
+- by default every position is a **fresh request** of its prefix: ``prompt_lengths`` = each row's
+  real length, so a stateful method's path is empty at every position (CP-Fuse is then CP-ΔKL
+  at every step: "the fusing mechanism of CP-Fuse has no effect on the first generated token",
+  §5.3) — TTE, LiRA, the MIA suite and utility;
+- with ``prompt_lengths`` given, row ``b``'s tokens after its first ``prompt_lengths[b]`` are a
+  **continuation** of that prompt, scored as ``generate`` would have produced them (CP-Fuse's
+  path starts at the prompt's end) — canary exposure (the secret given its prefix).
+
+``next_token_logprobs`` is always a fresh request (PII extraction).
+
+The batching helpers pad, sort by length, and undo the sort, so the attacks can hand over ragged
+token lists: right padding for teacher-forced ``score`` (position ``t`` of the output is the
+log-prob of token ``t + 1``), left padding for ``next_token_logprobs`` (the next token follows the
+last column). :class:`scpdr.attacks.logits_scorer.LogitsScorer` turns any function of the input
+ids into a scorer (tests use it with hand-written distributions).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "LogitsScorer",
-    "ScoreResult",
+    "FULL_CHUNK_ELEMENTS",
+    "PositionStats",
     "Scorer",
-    "SimpleGeneration",
     "batched_greedy",
     "batched_next_token",
+    "batched_position_stats",
     "batched_token_logprobs",
     "encode",
     "pad_batch",
     "pad_token_id",
+    "score_requests",
     "scorer_name",
+    "split_components",
 ]
 
 
@@ -45,11 +59,14 @@ class Scorer(Protocol):
     """What an attack needs from a model (``scpdr.ProtectedLM`` satisfies it).
 
     - ``next_token_logprobs(input_ids[B, T], attention_mask[B, T]) -> Tensor[B, V]``: the
-      normalized log-distribution of the token after the last real position of each row.
-    - ``score(input_ids[B, T], attention_mask[B, T], **flags)``: ``Tensor[B, T-1]`` log-prob of
-      each actual next token; with flags an object with ``token_logprobs``, ``logprobs``
-      (``[B, T-1, V]`` when ``full=True``), ``greedy`` (argmax token and its log-prob at every
-      position when ``greedy=True``), ``k_x``, ``components`` (raw constituent/base log-probs).
+      normalized log-distribution of the token after the last real position of each row, as a
+      fresh request of that row.
+    - ``score(input_ids[B, T], attention_mask[B, T], *, prompt_lengths, **flags)``:
+      ``Tensor[B, T-1]`` log-prob of each actual next token, each row's tokens after its first
+      ``prompt_lengths[b]`` scored as a continuation of that prompt (a stateless rule ignores
+      it); with flags an object with ``token_logprobs``, ``logprobs`` (``[B, T-1, V]`` when
+      ``full=True``), ``top_ids``/``top_logprobs`` (``[B, T-1, n]`` when ``top_logprobs=n``),
+      ``components`` (raw constituent/base log-probs).
     - ``generate(prompts, *, max_new_tokens, temperature=0.0, ...) -> list[Generation]``.
     """
 
@@ -119,50 +136,42 @@ def pad_batch(
 
 
 def _length_batches(seqs: Sequence[Sequence[int]], batch_size: int) -> Iterator[list[int]]:
-    """Indices of ``seqs`` in batches of similar length (less padding, same results)."""
+    """Indices of the sequences of at least 2 tokens (the others have nothing to score), in
+    batches of similar length (less padding, same results)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    order = sorted((i for i in range(len(seqs)) if len(seqs[i]) >= 2), key=lambda i: len(seqs[i]))
     for start in range(0, len(order), batch_size):
         yield order[start : start + batch_size]
 
 
-# ---------------------------------------------------------------------------- output adapters
+# ---------------------------------------------------------------------------- the protocol
+
+
+def score_requests(
+    scorer: Scorer,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    prompt_lengths: Sequence[int] | Tensor | None = None,
+    **flags: Any,
+) -> Any:
+    """``scorer.score`` under the TDE game's protocol (Def. 4.2): the one call of every attack.
+
+    ``input_ids``/``attention_mask``: ``(B, T)``, right-padded. ``prompt_lengths`` None: every
+    position is read as a fresh request of its prefix (``prompt_lengths`` = each row's real
+    length: a stateful rule's path is empty everywhere). Given: row ``b``'s tokens after its first
+    ``prompt_lengths[b]`` are the continuation of that prompt (CP-Fuse's path starts there, as in
+    ``generate``). ``flags`` go to ``score`` (``full``, ``top_logprobs``, ...)."""
+    if prompt_lengths is None:
+        lengths = attention_mask.sum(-1)  # (B,): the whole row is the prompt
+    else:
+        lengths = torch.as_tensor(prompt_lengths, dtype=torch.long)
+    return scorer.score(input_ids, attention_mask, prompt_lengths=lengths, **flags)
 
 
 def _field(out: Any, name: str) -> Any:
-    if isinstance(out, dict):
-        return out.get(name)
-    return getattr(out, name, None)
-
-
-def _first_field(out: Any, *names: str) -> Any:
-    """The first of ``names`` that ``out`` has (as a key or attribute) and is not None, else
-    None: the output adapters accept each field under any of its usual names."""
-    for name in names:
-        val = _field(out, name)
-        if val is not None:
-            return val
-    return None
-
-
-def _greedy_of(out: Any) -> tuple[Tensor, Tensor | None]:
-    """(greedy ids[B, T-1], their log-probs[B, T-1] or None) from a ``score(greedy=True)`` output."""
-    g = _field(out, "greedy")
-    if g is None:
-        raise TypeError("score(..., greedy=True) returned no 'greedy' field")
-    if isinstance(g, (tuple, list)) and len(g) == 2:
-        return g[0], g[1]
-    if isinstance(g, Tensor) and _field(out, "greedy_logprobs") is not None:
-        return g, _field(out, "greedy_logprobs")
-    ids = _first_field(g, "token_ids", "ids", "tokens")
-    if ids is not None:
-        return ids, _first_field(g, "logprobs", "token_logprobs")
-    if isinstance(g, Tensor) and not g.is_floating_point():
-        full = _field(out, "logprobs")
-        lp = None if full is None else full.float().amax(dim=-1)
-        return g, lp
-    raise TypeError(f"cannot read greedy tokens from {type(g).__name__}")
+    return out.get(name) if isinstance(out, dict) else getattr(out, name, None)
 
 
 def _token_logprobs_of(out: Any) -> Tensor:
@@ -178,80 +187,114 @@ def _token_logprobs_of(out: Any) -> Tensor:
 
 
 def batched_token_logprobs(
-    scorer: Scorer, seqs: Sequence[Sequence[int]], *, batch_size: int = 16
+    scorer: Scorer,
+    seqs: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 16,
+    prompt_lengths: Sequence[int] | None = None,
 ) -> list[Tensor]:
     """Teacher-forced log-prob of every actual next token: one ``Tensor[len(s) - 1]`` per
-    sequence (float32, CPU), in the order given."""
-    out: list[Tensor | None] = [None] * len(seqs)
+    sequence (float32, CPU), in the order given. Every prefix is a fresh request, unless
+    ``prompt_lengths`` (one per sequence) makes the rest of each sequence the continuation of
+    its prompt (:func:`score_requests`)."""
+    if prompt_lengths is not None and len(prompt_lengths) != len(seqs):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(seqs)} sequences")
+    out = [torch.empty(0) for _ in seqs]
     pid = pad_token_id(scorer.tokenizer)
     for idx in _length_batches(seqs, batch_size):
         ids, mask = pad_batch([seqs[i] for i in idx], pad_id=pid, side="right")
-        tl = _token_logprobs_of(scorer.score(ids, mask)).detach().float().cpu()  # (B, T-1)
+        pl = None if prompt_lengths is None else [prompt_lengths[i] for i in idx]
+        res = score_requests(scorer, ids, mask, prompt_lengths=pl)
+        tl = _token_logprobs_of(res).detach().float().cpu()  # (B, T-1)
         for row, i in enumerate(idx):
-            out[i] = tl[row, : max(len(seqs[i]) - 1, 0)].clone()
-    return [t if t is not None else torch.empty(0) for t in out]
+            out[i] = tl[row, : len(seqs[i]) - 1].clone()
+    return out
 
 
 #: Bound on the floats of a ``full=True`` score output held at once (128 MiB of float32).
 FULL_CHUNK_ELEMENTS = 1 << 25
 
 
-def _vocab_size(scorer: Scorer) -> int | None:
+def _vocab_size(scorer: Scorer) -> int:
     v = getattr(scorer, "vocab_size", None)
     if v is None:
         try:
             v = len(scorer.tokenizer)
         except TypeError:
-            return None
+            return 1
     return int(v)
-
-
-def _greedy_full(scorer: Scorer, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(greedy ids, greedy log-probs, token log-probs)`` ``[B, T-1]`` from ``full=True`` outputs,
-    in row chunks of at most :data:`FULL_CHUNK_ELEMENTS` floats."""
-    v = _vocab_size(scorer) or 1
-    rows = max(1, FULL_CHUNK_ELEMENTS // max(1, ids.shape[1] * v))
-    parts = []
-    for s in range(0, ids.shape[0], rows):
-        res = scorer.score(ids[s : s + rows], mask[s : s + rows], full=True)
-        full = _field(res, "logprobs").detach().float()  # (b, T-1, V)
-        g_lp, g_ids = full.max(dim=-1)
-        parts.append((g_ids.cpu(), g_lp.cpu(), _token_logprobs_of(res).detach().float().cpu()))
-        del full, res
-    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
 def batched_greedy(
     scorer: Scorer, seqs: Sequence[Sequence[int]], *, batch_size: int = 16
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Teacher-forced: for each sequence ``(greedy_ids[L], greedy_logprobs[L],
+    """Every prefix as a fresh request: for each sequence ``(greedy_ids[L], greedy_logprobs[L],
     token_logprobs[L])`` with ``L = len(s) - 1`` — at every prefix the argmax next token, its
-    log-prob, and the log-prob of the true next token.
-
-    One ``score(..., greedy=True)`` pass per batch when the scorer returns the greedy tokens'
-    log-probs with them; otherwise the argmax is read off ``full=True`` distributions, in row
-    chunks that bound the memory."""
-    out: list[Any] = [None] * len(seqs)
+    log-prob, and the log-prob of the true next token. One ``score(..., top_logprobs=1)`` pass
+    per batch."""
+    out: list[Any] = [(torch.empty(0, dtype=torch.long), torch.empty(0), torch.empty(0))] * len(
+        seqs
+    )
     pid = pad_token_id(scorer.tokenizer)
-    use_full = None
     for idx in _length_batches(seqs, batch_size):
         ids, mask = pad_batch([seqs[i] for i in idx], pad_id=pid, side="right")
-        if use_full is None:  # probe on two tokens: does greedy=True come with log-probs?
-            use_full = _greedy_of(scorer.score(ids[:1, :2], mask[:1, :2], greedy=True))[1] is None
-        if use_full:
-            g_ids, g_lp, tl = _greedy_full(scorer, ids, mask)
-        else:
-            res = scorer.score(ids, mask, greedy=True)
-            g_ids, g_lp = _greedy_of(res)
-            tl = _token_logprobs_of(res)
-        g_ids, g_lp, tl = (t.detach().cpu() for t in (g_ids, g_lp, tl))
+        res = score_requests(scorer, ids, mask, top_logprobs=1)
+        g_ids = _field(res, "top_ids")[..., 0].detach().cpu()  # (B, T-1)
+        g_lp = _field(res, "top_logprobs")[..., 0].detach().float().cpu()
+        tl = _token_logprobs_of(res).detach().float().cpu()
         for row, i in enumerate(idx):
-            n = max(len(seqs[i]) - 1, 0)
-            out[i] = (
-                g_ids[row, :n].long().clone(),
-                g_lp[row, :n].float().clone(),
-                tl[row, :n].float().clone(),
-            )
+            n = len(seqs[i]) - 1
+            out[i] = (g_ids[row, :n].long().clone(), g_lp[row, :n].clone(), tl[row, :n].clone())
+    return out
+
+
+@dataclass(frozen=True)
+class PositionStats:
+    """What a fresh request of every prefix of one sequence reveals (``[L]`` float64 arrays,
+    ``L = len(s) - 1``, entry ``t`` about token ``t + 1``): the log-prob of the actual token,
+    and the mean ``mu`` and standard deviation ``sigma`` of ``log r(z)`` for ``z`` drawn from the
+    same next-token distribution ``r`` (Min-K%++, Zhang et al. 2024)."""
+
+    token_logprobs: Any
+    mu: Any
+    sigma: Any
+
+
+def _moments(logp: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and std of ``log r(z)``, ``z ~ r``, over the last axis of log-probs ``(..., V)``
+    (zero-probability tokens contribute nothing)."""
+    p = logp.exp()
+    finite = torch.isfinite(logp)
+    lp = torch.where(finite, logp, torch.zeros((), dtype=logp.dtype))
+    mu = (p * lp).sum(-1)
+    var = (p * lp * lp).sum(-1) - mu * mu
+    return mu, var.clamp_min(0.0).sqrt()
+
+
+def batched_position_stats(
+    scorer: Scorer, seqs: Sequence[Sequence[int]], *, batch_size: int = 16
+) -> list[PositionStats]:
+    """:class:`PositionStats` of every sequence, every prefix a fresh request: one
+    ``score(..., full=True)`` call per row chunk that holds at most :data:`FULL_CHUNK_ELEMENTS`
+    floats of distributions, reduced to two numbers per position before the next chunk."""
+    import numpy as np
+
+    empty = np.zeros(0)
+    out = [PositionStats(empty, empty, empty) for _ in seqs]
+    pid = pad_token_id(scorer.tokenizer)
+    v = _vocab_size(scorer)
+    for idx in _length_batches(seqs, batch_size):
+        ids, mask = pad_batch([seqs[i] for i in idx], pad_id=pid, side="right")
+        rows = max(1, FULL_CHUNK_ELEMENTS // max(1, ids.shape[1] * v))
+        for s in range(0, len(idx), rows):
+            res = score_requests(scorer, ids[s : s + rows], mask[s : s + rows], full=True)
+            full = _field(res, "logprobs").detach().float()  # (b, T-1, V)
+            mu, sd = (t.cpu().double().numpy() for t in _moments(full))
+            tl = _token_logprobs_of(res).detach().cpu().double().numpy()
+            del full, res
+            for row, i in enumerate(idx[s : s + rows]):
+                n = len(seqs[i]) - 1
+                out[i] = PositionStats(tl[row, :n].copy(), mu[row, :n].copy(), sd[row, :n].copy())
     return out
 
 
@@ -262,14 +305,18 @@ def batched_next_token(
     batch_size: int = 16,
     allowed: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Greedy next token after each sequence: ``(ids[N], logprobs[N])`` (the log-prob under the
-    scorer's full distribution). ``allowed`` restricts the argmax to those token IDs (an
-    attacker who knows the secret's alphabet, e.g. digits)."""
+    """Greedy next token after each sequence, each a fresh request: ``(ids[N], logprobs[N])``
+    (the log-prob under the scorer's full distribution). ``allowed`` restricts the argmax to those
+    token IDs (an attacker who knows the secret's alphabet, e.g. digits)."""
     ids_out = torch.empty(len(seqs), dtype=torch.long)
     lp_out = torch.empty(len(seqs), dtype=torch.float32)
     pid = pad_token_id(scorer.tokenizer)
     allowed_t = None if allowed is None else torch.as_tensor(list(allowed), dtype=torch.long)
-    for idx in _length_batches(seqs, batch_size):
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
         ids, mask = pad_batch([seqs[i] for i in idx], pad_id=pid, side="left")
         logp = scorer.next_token_logprobs(ids, mask).detach().float().cpu()  # (B, V)
         if allowed_t is None:
@@ -283,146 +330,18 @@ def batched_next_token(
     return ids_out, lp_out
 
 
-def _split_components(comp: Any) -> tuple[Tensor, Tensor | None]:
-    """Accept ``(logps, base)``, an object/dict with ``constituents``/``logps`` and ``base``,
-    or a bare ``Tensor[K, B, T-1, V]``."""
+def split_components(comp: Any) -> tuple[Tensor, Tensor | None]:
+    """``(constituent log-probs[K', B, T-1, V], base[B, T-1, V] | None)`` of a
+    ``score(..., components=True)`` output's ``components``: ``(logps, base)``, an object/dict
+    with ``logps`` (or ``constituents``) and ``base``, or a bare tensor."""
     if isinstance(comp, Tensor):
         return comp, None
     if isinstance(comp, (tuple, list)) and len(comp) == 2 and isinstance(comp[0], Tensor):
         return comp[0], comp[1]
-    val = _first_field(comp, "constituents", "logps", "constituent_logprobs")
-    if val is not None:
-        if isinstance(val, (list, tuple)):
-            val = torch.stack(list(val))
-        return val, _first_field(comp, "base", "base_logprobs")
+    for name in ("logps", "constituents"):
+        val = _field(comp, name)
+        if val is not None:
+            if isinstance(val, (list, tuple)):
+                val = torch.stack(list(val))
+            return val, _field(comp, "base")
     raise TypeError(f"cannot read components from {type(comp).__name__}")
-
-
-# ---------------------------------------------------------------------------- a generic scorer
-
-
-@dataclass
-class ScoreResult:
-    """What :meth:`LogitsScorer.score` returns when a flag is set (the field names of
-    ``scpdr.runtime.ScoreOutput``)."""
-
-    token_logprobs: Tensor
-    logprobs: Tensor | None = None
-    greedy: tuple[Tensor, Tensor] | None = None
-    k_x: Tensor | None = None
-    components: Any = None
-
-
-@dataclass
-class SimpleGeneration:
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    k_x: list[float] = field(default_factory=list)
-    finish_reason: str = "length"
-    prompt_token_ids: list[int] = field(default_factory=list)
-
-
-class LogitsScorer:
-    """A :class:`Scorer` over ``logits_fn(input_ids[B, T], attention_mask[B, T]) ->
-    Tensor[B, T, V]`` (next-token logits at every position; log-softmaxed here, in float32).
-
-    Padding: ``next_token_logprobs`` reads each row's last real position (left or right padding
-    both work); ``score`` expects right padding. No KV cache: meant for tests and small runs.
-    """
-
-    def __init__(
-        self,
-        logits_fn: Callable[[Tensor, Tensor], Tensor],
-        tokenizer: Any,
-        *,
-        name: str = "scorer",
-        components_fn: Callable[[Tensor, Tensor], Any] | None = None,
-    ) -> None:
-        self._logits_fn = logits_fn
-        self._components_fn = components_fn
-        self.tokenizer = tokenizer
-        self.name = name
-
-    def _logprobs(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        logits = self._logits_fn(input_ids, attention_mask)  # (B, T, V)
-        return torch.log_softmax(logits.float(), dim=-1)
-
-    def next_token_logprobs(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None
-    ) -> Tensor:
-        """``Tensor[B, V]``: the distribution after each row's last real token."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        logp = self._logprobs(input_ids, attention_mask)  # (B, T, V)
-        pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        last = torch.where(attention_mask.bool(), pos, -1).max(dim=1).values  # (B,)
-        return logp[torch.arange(input_ids.shape[0]), last]
-
-    def score(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        *,
-        full: bool = False,
-        greedy: bool = False,
-        k_x: bool = False,
-        components: bool = False,
-    ) -> Tensor | ScoreResult:
-        logp = self._logprobs(input_ids, attention_mask)[:, :-1]  # (B, T-1, V)
-        tok = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
-        if not (full or greedy or k_x or components):
-            return tok
-        g = None
-        if greedy:
-            g_lp, g_ids = logp.max(dim=-1)
-            g = (g_ids, g_lp)
-        comp = None
-        if components:
-            if self._components_fn is None:
-                raise TypeError(f"{self.name}: this scorer has no components")
-            comp = self._components_fn(input_ids, attention_mask)
-        return ScoreResult(tok, logp if full else None, g, None, comp)
-
-    def generate(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int = 32,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        stop_at_eos: bool = True,
-        **_: Any,
-    ) -> list[SimpleGeneration]:
-        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        outs = []
-        for p in prompts:
-            prompt = encode(self.tokenizer, p) if isinstance(p, str) else list(p)
-            ids, lps, reason = list(prompt), [], "length"
-            for _step in range(max_new_tokens):
-                logp = self.next_token_logprobs(torch.tensor([ids]))[0]
-                if temperature > 0:
-                    t = int(
-                        torch.multinomial(torch.softmax(logp / temperature, -1), 1, generator=gen)
-                    )
-                else:
-                    t = int(logp.argmax())
-                ids.append(t)
-                lps.append(float(logp[t]))
-                if stop_at_eos and eos is not None and t == eos:
-                    reason = "stop"
-                    break
-            new = ids[len(prompt) :]
-            outs.append(
-                SimpleGeneration(
-                    text=self.tokenizer.decode(new),
-                    token_ids=new,
-                    logprobs=lps,
-                    finish_reason=reason,
-                    prompt_token_ids=prompt,
-                )
-            )
-        return outs

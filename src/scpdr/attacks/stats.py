@@ -6,6 +6,9 @@ and "indistinguishable from chance" is a statement about the CI, never about a p
 
 - :func:`bootstrap_ci`: percentile bootstrap over examples of any statistic of one sample
   (means, fractions, percentiles).
+- :func:`pooled_mean_ci` / :func:`cluster_bootstrap_ci`: the same over examples when the number is
+  pooled over their tokens (TTE, utility): whole examples are resampled, so the interval reflects
+  the example-to-example spread, not the (correlated) tokens'.
 - :func:`roc_metrics`: ROC AUC and TPR at fixed FPRs from scikit-learn's ``roc_auc_score`` /
   ``roc_curve``, each with a stratified bootstrap CI (members and non-members resampled
   separately, so every replicate keeps both classes).
@@ -31,7 +34,10 @@ __all__ = [
     "Estimate",
     "RocMetrics",
     "bootstrap_ci",
+    "ci_extra",
+    "cluster_bootstrap_ci",
     "distinguishable",
+    "pooled_mean_ci",
     "roc_metrics",
     "tpr_at_fpr",
     "weighted_roc",
@@ -111,6 +117,68 @@ def bootstrap_ci(
     idx = rng.integers(0, n, size=(n_boot, n))  # (n_boot, n)
     lo, hi = _percentiles(np.asarray(statistic(arr[idx], axis=-1), dtype=np.float64), level)
     # a percentile interval of a skewed statistic can miss the point estimate by rounding only
+    return Estimate(value, min(lo, value), max(hi, value), n)
+
+
+def ci_extra(est: Estimate) -> dict[str, float]:
+    """The result-row keys of an interval: ``{"ci_low", "ci_high"}``."""
+    return {"ci_low": est.ci_low, "ci_high": est.ci_high}
+
+
+def _resampled_counts(n: int, n_boot: int, seed: int) -> np.ndarray:
+    """``(n_boot, n)``: how often each of ``n`` examples is drawn in each replicate."""
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)
+
+
+def pooled_mean_ci(
+    sums: Sequence[float] | np.ndarray,
+    counts: Sequence[float] | np.ndarray,
+    *,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    level: float = CI_LEVEL,
+) -> Estimate:
+    """``sum(sums) / sum(counts)`` — a mean pooled over the tokens of several examples (example
+    ``i`` contributes ``counts[i]`` tokens summing to ``sums[i]``) — with a percentile interval
+    from resampling whole examples. ``n`` is the number of examples."""
+    s = _as_1d(sums, "sums")
+    c = _as_1d(counts, "counts")
+    if s.shape != c.shape:
+        raise ValueError(f"sums {s.shape} and counts {c.shape} differ in shape")
+    keep = c > 0
+    s, c = s[keep], c[keep]
+    n = int(s.size)
+    if n == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0)
+    value = float(s.sum() / c.sum())
+    if n < 2:
+        return Estimate(value, float("nan"), float("nan"), n)
+    w = _resampled_counts(n, n_boot, seed)  # (n_boot, n)
+    lo, hi = _percentiles((w @ s) / (w @ c), level)
+    return Estimate(value, min(lo, value), max(hi, value), n)
+
+
+def cluster_bootstrap_ci(
+    n: int,
+    statistic: Callable[[np.ndarray], float],
+    *,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    level: float = CI_LEVEL,
+) -> Estimate:
+    """``statistic(arange(n))`` with a percentile interval over resampled examples:
+    ``statistic`` takes the indices of the examples of one replicate (with repeats) and pools
+    whatever it needs from them (e.g. the accuracy–coverage AUC of their tokens)."""
+    if n == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0)
+    value = float(statistic(np.arange(n)))
+    if n < 2:
+        return Estimate(value, float("nan"), float("nan"), n)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(n_boot, n))
+    reps = np.array([statistic(np.sort(row)) for row in idx], dtype=np.float64)
+    lo, hi = _percentiles(reps, level)
     return Estimate(value, min(lo, value), max(hi, value), n)
 
 

@@ -1,14 +1,18 @@
 """Token-by-token extraction (TTE; §5.3 "Token-by-token extraction", Definition 4.2 "Black-box TDE
 Game", Fig. "Memorization effect").
 
-For every prefix ``x_{<=t}`` of a training example the adversary takes the greedy next token
-``ŷ_t = argmax r(·|x_{<=t})`` and keeps it (predicts) or abstains by thresholding its probability
-``r(ŷ_t|x_{<=t})`` — selective classification (Geifman & El-Yaniv 2017). One teacher-forced
-``score(..., greedy=True)`` pass gives every prefix of an example at once. Reported:
+For every prefix ``x_{<=t}`` of a training example — sent as a fresh request, so a stateful
+method's path is empty (:func:`scpdr.attacks.scorer.score_requests`) — the adversary takes the
+greedy next token ``ŷ_t = argmax r(·|x_{<=t})`` and keeps it (predicts) or abstains by
+thresholding its probability ``r(ŷ_t|x_{<=t})`` — selective classification (Geifman & El-Yaniv
+2017). One teacher-forced ``score(..., top_logprobs=1)`` pass gives every prefix of an example at
+once. Reported:
 
 - the accuracy–coverage curve (accuracy of the kept predictions as the threshold drops),
 - its **AUC** (mean accuracy over coverages ``1/N, 2/N, ..., 1``),
-- **ACC**: the accuracy at full coverage (the adversary always accepts).
+- **ACC**: the accuracy at full coverage (the adversary always accepts),
+
+each with a 95% interval from resampling whole examples (:meth:`TTEResult.estimates`).
 
 Ties in confidence are resolved in expectation over a random order, so the curve does not depend
 on the sort. Optionally the evaluation is restricted to tokens another model ``q`` fails to
@@ -26,6 +30,7 @@ import numpy as np
 
 from scpdr.attacks.results import ResultRow
 from scpdr.attacks.scorer import Scorer, batched_greedy, encode, scorer_name
+from scpdr.attacks.stats import Estimate, ci_extra, cluster_bootstrap_ci, pooled_mean_ci
 from scpdr.errors import ConfigError
 
 __all__ = [
@@ -103,6 +108,25 @@ class TTEResult:
         _, corr = self._select(restrict)
         return float(np.mean(corr)) if corr.size else float("nan")
 
+    def estimates(self, *, restrict: bool = False, seed: int = 0) -> dict[str, Estimate]:
+        """``{"auc", "acc"}`` with 95% intervals from resampling whole examples (the tokens of one
+        example are not independent), ``n`` = examples."""
+        conf, corr = self._select(restrict)
+        example = self.example if not restrict else self.example[self.q_fails]
+        ids, inv = np.unique(example, return_inverse=True)
+        groups = [np.flatnonzero(inv == g) for g in range(ids.size)]
+
+        def auc_of(idx: np.ndarray) -> float:
+            take = np.concatenate([groups[i] for i in idx]) if idx.size else np.zeros(0, int)
+            return selective_auc(conf[take], corr[take])
+
+        sums = np.array([corr[g].sum() for g in groups], dtype=np.float64)
+        counts = np.array([g.size for g in groups], dtype=np.float64)
+        return {
+            "auc": cluster_bootstrap_ci(len(groups), auc_of, seed=seed),
+            "acc": pooled_mean_ci(sums, counts, seed=seed),
+        }
+
     def rows(self, *, method: str | None = None, corpus: str | None = None) -> list[ResultRow]:
         method = method or self.method
         n_ex = int(np.unique(self.example).size)
@@ -111,22 +135,15 @@ class TTEResult:
         for restrict, suffix in variants:
             _, corr = self._select(restrict)
             n = int(corr.size)
-            acc = self.acc(restrict=restrict)
             std_acc = float(np.std(corr, ddof=1)) if n > 1 else 0.0
             extra = {"examples": n_ex, "restricted": "q_fails" if restrict else None}
-            out.append(
-                ResultRow(
-                    method,
-                    "tte",
-                    "auc" + suffix,
-                    self.auc(restrict=restrict),
-                    n,
-                    None,
-                    corpus,
-                    extra,
+            est = self.estimates(restrict=restrict)
+            for metric, std in (("auc", None), ("acc", std_acc)):
+                e = est[metric]
+                row_extra = {**extra, **ci_extra(e)}
+                out.append(
+                    ResultRow(method, "tte", metric + suffix, e.value, n, std, corpus, row_extra)
                 )
-            )
-            out.append(ResultRow(method, "tte", "acc" + suffix, acc, n, std_acc, corpus, extra))
         return out
 
 

@@ -1,5 +1,6 @@
 """``scpdr demo``: ``scpdr experiment configs/demo.yaml --out runs/demo`` — names2ids with
-canaries on the embedded SmolLM2-135M: No CP leaks the IDs, SCP-Δr-b does not."""
+canaries on the embedded SmolLM2-135M: No CP leaks the IDs, SCP-Δr-b does not. Prints the main
+table, a verdict per method, the membership-inference table and the demo's checks."""
 
 from __future__ import annotations
 
@@ -28,14 +29,37 @@ def demo(
     check_out_dir(out)
     result = run_and_print(path, out, force=[], progress=progress)
     console = Console()
+    if not console.is_terminal:  # piped or logged: do not squeeze the tables into 80 columns
+        console = Console(width=200)
+    print_audit(console, result.rows)
     for line in demo_checks(result.rows):
         console.print(line)
 
 
+def print_audit(console: Any, rows: list[dict[str, Any]]) -> None:
+    """The verdict per method and the membership-inference table, under the main table."""
+    from rich.markup import escape
+
+    from scpdr.report import mia_table, to_rich, verdicts
+
+    lines = verdicts(rows)
+    if lines:
+        console.print("[bold]Verdicts[/bold] (95% intervals; see docs/attacks.md)")
+        for line in lines:
+            console.print(f"  • {escape(line)}")
+    table = mia_table(rows)
+    if table is not None:
+        console.print(to_rich(table))
+        for note in table.notes:
+            console.print(f"[dim]{escape(note)}[/dim]")
+
+
 def demo_checks(rows: list[dict[str, Any]]) -> list[str]:
     """The demo's claims, checked on its rows: No CP extracts ≥ half of the IDs in full,
-    SCP-Δr-b ≤ 5%, and SCP-Δr-b's next-token accuracy is within 0.02 of No CP's."""
-    from scpdr.methods import canonical
+    SCP-Δr-b ≤ 5%, CP-Fuse's TTE AUC and ACC are within 0.05 of CP-ΔKL's (the TDE game's
+    protocol: CP-Fuse is CP-ΔKL at a fresh request's first step, §5.3), and SCP-Δr-b's
+    next-token accuracy is within 0.02 of No CP's."""
+    from scpdr.methods import SPECS, canonical
 
     def value(method: str, attack: str, metrics: tuple[str, ...]) -> float | None:
         for r in rows:
@@ -66,6 +90,17 @@ def demo_checks(rows: list[dict[str, Any]]) -> list[str]:
         )
     if fer_scp is not None:
         checks.append(line(fer_scp <= 0.05, f"SCP-Δr-b extracts {fer_scp:.0%} (≤ 5%)"))
+    fuse, kl = (next(n for n, sp in SPECS.items() if sp.rule == r) for r in ("cp-fuse", "cp-kl"))
+    tte = {m: [value(m, "tte", (x,)) for x in ("auc", "acc")] for m in (fuse, kl)}
+    if all(v is not None for vals in tte.values() for v in vals):
+        gap = max(abs(a - b) for a, b in zip(tte[fuse], tte[kl], strict=True))  # type: ignore[operator]
+        checks.append(
+            line(
+                gap <= 0.05,
+                f"CP-Fuse's TTE AUC/ACC {tte[fuse][0]:.2f}/{tte[fuse][1]:.2f} within 0.05 of "
+                f"CP-ΔKL's {tte[kl][0]:.2f}/{tte[kl][1]:.2f} (each prefix a fresh request: §5.3)",
+            )
+        )
     if acc_none is not None and acc_scp is not None:
         d = acc_scp - acc_none
         checks.append(

@@ -73,7 +73,15 @@ _EVAL_CODE = (
     "scpdr.device",
 )
 STAGE_CODE: dict[str, tuple[str, ...]] = {
-    "partitions": ("scpdr.data", "scpdr.resources"),
+    # scpdr.data renders chat records with a model's template (data/chat.py loads a tokenizer)
+    "partitions": (
+        "scpdr.data",
+        "scpdr.resources",
+        "scpdr.models",
+        "scpdr.methods",
+        "scpdr.naf",
+        "scpdr.kernels",
+    ),
     "train": (
         "scpdr.training",
         "scpdr.models",

@@ -137,13 +137,6 @@ class ExperimentConfig(Section):
                     "bounds.methods: cp-fuse is stateful and has no per-position NAF bound; "
                     "remove it"
                 )
-        if self.references.enabled is False:
-            lira = [c.name for c in self.corpora if "lira" in c.resolved_attacks]
-            if lira:
-                raise ValueError(
-                    f"references.enabled: false, but attack 'lira' (corpora {lira}) needs the "
-                    "reference model p0; enable it or drop 'lira' from the corpus attacks"
-                )
         gen = self.attacks.generations
         gen.methods = list(dict.fromkeys(M.canonical(m) for m in gen.methods))
         bad = [m for m in gen.methods if m not in self.all_methods]
@@ -205,8 +198,8 @@ class ExperimentConfig(Section):
     def needs_reference(self) -> bool:
         if self.references.enabled is not None:
             return self.references.enabled
-        lira = any("lira" in c.resolved_attacks for c in self.corpora)
-        return lira or (self.bounds.enabled and self.bounds.v_x)
+        mia = any("mia" in c.resolved_attacks for c in self.corpora)  # LiRA's p0
+        return mia or (self.bounds.enabled and self.bounds.v_x)
 
     def with_value(self, key: str, value: Any) -> ExperimentConfig:
         """A copy with the dotted ``key`` set to ``value`` (validated)."""

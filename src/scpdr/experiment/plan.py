@@ -282,8 +282,6 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
         for attack in attacks:
             if attack == "generations" and method not in cfg.attacks.generations.methods:
                 continue
-            if attack == "lira" and cs.ref_bundle is None:
-                continue
             section = getattr(cfg.attacks, attack).model_dump()
             inputs: dict[str, Any] = {
                 "method": method,
@@ -295,10 +293,12 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
             }
             if M.SPECS[method].smoothed:
                 inputs["m"] = cfg.m
-            if attack == "lira":
+            if attack in ("mia", "budget") and cs.ref_bundle is not None:
                 inputs["holdout"] = cfg.references.holdout
+            if attack == "budget":  # the sweep's members and non-members: the MIA suite's
+                inputs["mia_population"] = cfg.attacks.mia.population
             deps: dict[str, Stage] = {"bundle": cs.bundle, "partitions": cs.partitions}
-            if attack in ("lira", "budget") and cs.ref_bundle is not None:
+            if attack in ("mia", "budget") and cs.ref_bundle is not None:  # LiRA's reference: over p0
                 deps["ref_bundle"] = cs.ref_bundle
                 if M.SPECS[method].rule == "none" and cs.reference is not None:  # No CP, baselines
                     deps["reference"] = cs.reference

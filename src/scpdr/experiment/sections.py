@@ -29,7 +29,7 @@ __all__ = [
     "CorpusConfig",
     "GenerationsConfig",
     "GoldfishConfig",
-    "LiraAttackConfig",
+    "MiaAttackConfig",
     "PIIAttackConfig",
     "PartitionConfig",
     "ReferenceConfig",
@@ -49,15 +49,17 @@ REQUESTABLE_METHODS: tuple[str, ...] = M.AGGREGATE_METHODS
 (GOLDFISH,) = M.BASELINE_METHODS
 
 #: The attack names of a corpus: the evaluation pipeline's (``scpdr.attacks.evaluation.ATTACKS``)
-#: and "generations" (greedy continuations side by side, no rows).
-ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "lira", "utility", "generations", "budget")
+#: and "generations" (greedy continuations side by side, no rows). "mia" is the membership-
+#: inference suite (LiRA included); "lira" is accepted as its older name.
+ATTACKS: tuple[str, ...] = ("canary", "pii", "tte", "mia", "utility", "generations", "budget")
+_ATTACK_ALIASES = {"lira": "mia"}
 BUILTIN_CORPORA: tuple[str, ...] = ("names2ids", "pycode", "pydocs")
 #: The kinds of stages (``resources:`` keys; :data:`scpdr.experiment.cache.STAGE_VERSIONS`).
 STAGE_KINDS: tuple[str, ...] = ("partitions", "train", "bundle", "attack", "bounds", "report")
 _DEFAULT_ATTACKS: dict[str, tuple[str, ...]] = {
-    "names2ids": ("pii", "tte", "lira", "utility", "generations"),
-    "pycode": ("tte", "lira", "utility", "generations"),
-    "pydocs": ("tte", "lira", "utility", "generations"),
+    "names2ids": ("pii", "tte", "mia", "utility", "generations"),
+    "pycode": ("tte", "mia", "utility", "generations"),
+    "pydocs": ("tte", "mia", "utility", "generations"),
 }
 _DEFAULT_LABELS = {"names2ids": "IDs", "pycode": "Code", "pydocs": "Docs"}
 
@@ -89,8 +91,8 @@ class CorpusConfig(Section):
     )
     attacks: list[str] | None = Field(
         None,
-        description="attacks run on this corpus; default: pii (names2ids only), tte, lira, "
-        "utility, generations, plus canary when canaries are inserted",
+        description="attacks run on this corpus; default: pii (names2ids only), tte, mia, "
+        "utility, generations, plus canary when canaries are inserted ('lira' = 'mia')",
     )
 
     @field_validator("name")
@@ -107,10 +109,10 @@ class CorpusConfig(Section):
     def _attacks(cls, v: list[str] | None) -> list[str] | None:
         if v is None:
             return v
-        bad = [a for a in v if a not in ATTACKS]
+        bad = [a for a in v if a not in ATTACKS and a not in _ATTACK_ALIASES]
         if bad:
             raise ValueError(f"unknown attack(s) {bad}; known: {list(ATTACKS)}")
-        return list(dict.fromkeys(v))
+        return list(dict.fromkeys(_ATTACK_ALIASES.get(a, a) for a in v))
 
     @model_validator(mode="after")
     def _check_source(self) -> CorpusConfig:
@@ -151,7 +153,7 @@ class CorpusConfig(Section):
         if self.attacks is not None:
             return list(self.attacks)
         out = list(
-            _DEFAULT_ATTACKS.get(self.resolved_source, ("tte", "lira", "utility", "generations"))
+            _DEFAULT_ATTACKS.get(self.resolved_source, ("tte", "mia", "utility", "generations"))
         )
         if self.canaries is not None:
             out.insert(0, "canary")
@@ -188,7 +190,9 @@ class ReferenceConfig(Section):
     v_x (Theorem 4.2, r0 = CP(p0, q)) need; the held-out examples are the attack targets."""
 
     enabled: bool | None = Field(
-        None, description="train p0; default: when lira or v_x is requested"
+        None,
+        description="train p0; default: when mia or v_x is requested (without p0, LiRA's "
+        "reference is q alone: Thm 4.4)",
     )
     holdout: int = Field(8, ge=1, description="partition-0 examples left out of p0 (the targets)")
 
@@ -231,8 +235,25 @@ class TTEAttackConfig(Section):
     )
 
 
-class LiraAttackConfig(Section):
-    n: int | None = Field(None, ge=1, description="members/non-members each (default: holdout)")
+class MiaAttackConfig(Section):
+    """The membership-inference suite (``scpdr.attacks.mia``): loss, zlib, Min-K%, Min-K%++, ref
+    (reference: the base model) and LiRA (reference: the method over p0) on the same members
+    and non-members."""
+
+    n: int | None = Field(None, ge=1, description="members and non-members each (null: all)")
+    population: str = Field(
+        "auto",
+        description="'canaries' (membership canaries inserted once vs never: `canaries.members`), "
+        "'records' (partition-0 records vs validation records), 'auto' (canaries when inserted)",
+    )
+    k: float = Field(0.2, gt=0, le=1, description="fraction of lowest tokens Min-K% averages")
+
+    @field_validator("population")
+    @classmethod
+    def _population(cls, v: str) -> str:
+        if v not in ("auto", "canaries", "records"):
+            raise ValueError(f"must be 'auto', 'canaries' or 'records', got {v!r}")
+        return v
 
 
 class UtilityAttackConfig(Section):
@@ -278,11 +299,22 @@ class GenerationsConfig(Section):
 
 
 class AttacksConfig(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        # `mia` was `lira` while LiRA was the only membership attack
+        if isinstance(data, dict) and "lira" in data:
+            data = dict(data)
+            if "mia" in data:
+                raise ValueError("give `attacks.mia` only (`attacks.lira` is its older name)")
+            data["mia"] = data.pop("lira")
+        return data
+
     batch_size: int = Field(16, ge=1, description="sequences per scoring/generation batch")
     canary: CanaryAttackConfig = Field(default_factory=CanaryAttackConfig)
     pii: PIIAttackConfig = Field(default_factory=PIIAttackConfig)
     tte: TTEAttackConfig = Field(default_factory=TTEAttackConfig)
-    lira: LiraAttackConfig = Field(default_factory=LiraAttackConfig)
+    mia: MiaAttackConfig = Field(default_factory=MiaAttackConfig)
     utility: UtilityAttackConfig = Field(default_factory=UtilityAttackConfig)
     generations: GenerationsConfig = Field(default_factory=GenerationsConfig)
     budget: BudgetAttackConfig = Field(default_factory=BudgetAttackConfig)

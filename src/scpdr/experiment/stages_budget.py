@@ -3,9 +3,10 @@ corpus × method runs :func:`scpdr.attacks.budget.budget_sweep` over every budge
 ``attacks.budget.budgets`` (each example one response held to B; the budgets are read off one
 trace per method, so the sweep costs one unbudgeted pass).
 
-Data as the other attack stages draw it: partition 0's PII records and its held-out targets as
-the members (p0, LiRA's reference, was trained without them; all of partition 0 without a
-reference), the validation records as the non-members and the utility texts; the ``ref``
+Data as the other attack stages draw it: partition 0's PII records, the utility texts, and the
+MIA suite's members and non-members (``attacks.mia.population``: the membership canaries inserted
+once vs never inserted, or partition 0's held-out targets vs validation records; p0, LiRA's
+reference, saw neither, :meth:`scpdr.attacks.eval_data.EvalData.mia_population`); the ``ref``
 membership attack's reference is the bundle's base model, ``lira``'s the method's reference
 (:meth:`scpdr.attacks.bundle_scorers.BundleScorers.reference_of`).
 """
@@ -42,14 +43,15 @@ def run_budget(ctx: StageContext) -> None:
     seed, bs = int(inp["seed"]), int(inp["batch_size"])
     pset = load_pset(ctx.dep("partitions"))
     data = EvalData.from_partition_set(pset, target=0, corpus=corpus)
-    members = list(pset.parts[0])
     reference = None
     if "ref_bundle" in ctx.deps:
+        # the "records" population: the held-out targets p0 never saw (p0 saw no canary either)
         holdout = set(read_json(ctx.dep("partitions") / TARGETS_NAME)["holdout"])
-        members = [r for r in members if r.id in holdout]
+        data.members = [r for r in pset.parts[0] if r.id in holdout]
         ref_dir = ctx.dep("ref_bundle") / "bundle"
         ref_manifest = read_bundle(ref_dir)
         reference = ref_manifest.resolve(ref_dir, ref_manifest.constituents[0])
+    pop = data.mia_population(inp.get("mia_population", "auto"), cfg.get("mia_n"), seed=seed)
     store = ctx.memo.get("models")
     if store is None:  # the models the attack stages of this process share
         store = ctx.memo["models"] = ModelStore(capacity=MODEL_CACHE_SIZE)
@@ -70,7 +72,6 @@ def run_budget(ctx: StageContext) -> None:
         ref = manifest.resolve(bundle_dir, manifest.base)
         base = store.model(ref, dtype=model_dtype(scorers.device), device=scorers.device)
         refs["ref"] = ProtectedLM.from_model(base, scorers.tokenizer)
-    n_mia = cfg.get("mia_n")
     options = BudgetOptions(
         budgets=tuple(None if b is None else float(b) for b in cfg["budgets"]),
         utility_n=None,  # drawn here, with the pipeline's subset rule
@@ -87,8 +88,8 @@ def run_budget(ctx: StageContext) -> None:
             method=method,
             pii=select(data.pii, cfg.get("pii_n"), seed=seed, salt="pii"),
             validation=select(data.validation, cfg.get("utility_n"), seed=seed, salt="utility"),
-            members=select(members, n_mia, seed=seed, salt="budget-members"),
-            nonmembers=select(list(pset.validation), n_mia, seed=seed, salt="budget-nonmembers"),
+            members=pop.members if pop is not None else (),
+            nonmembers=pop.nonmembers if pop is not None else (),
             references=refs,
             options=options,
             corpus=corpus,

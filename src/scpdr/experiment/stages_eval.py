@@ -62,17 +62,22 @@ def attack_options(
         opts.pii_n, opts.pii_val_n = section["n"], section["n_val"]
     elif attack == "tte":
         opts.tte_n, opts.tte_q_fails = section["n"], bool(section["q_fails_only"])
-    elif attack == "lira":
-        opts.lira_n = section["n"]
+    elif attack == "mia":
+        opts.mia_n, opts.mia_population, opts.mia_k = (
+            section["n"],
+            section["population"],
+            section["k"],
+        )
     elif attack == "utility":
         opts.utility_n = section["n"]
     return opts
 
 
 def run_attack(ctx: StageContext) -> None:
-    """One attack on one method of one corpus: the data of partition 0 (LiRA's members: the
-    targets p0 was trained without), the scorers of the corpus's bundle, :func:`run_eval`.
-    Writes ``rows.json`` (and ``roc.json`` for LiRA, ``generations.json`` for generations)."""
+    """One attack on one method of one corpus: the data of partition 0 (the MIA suite's "records"
+    members: the targets p0 was trained without; p0 saw no canary), the scorers of the corpus's
+    bundle, :func:`run_eval`. Writes ``rows.json`` (and ``roc.json`` for the MIA
+    suite: ``{attack: curve}`` per row name, ``generations.json`` for generations)."""
     import torch
 
     from scpdr.attacks.evaluation import (
@@ -89,10 +94,12 @@ def run_attack(ctx: StageContext) -> None:
     pset = load_pset(ctx.dep("partitions"))
     data = EvalData.from_partition_set(pset, target=0, corpus=corpus)
     reference = None
-    if attack == "lira":
+    if attack == "mia" and "ref_bundle" in ctx.deps:
         holdout = set(read_json(ctx.dep("partitions") / TARGETS_NAME)["holdout"])
-        # Records, not texts: LiRA then scores a prompted example's response given its prompt
+        # Records, not texts: a prompted example is scored on its response given its prompt
         # (the paper's r1(y|x) / r0(y|x); Names2IDs: the ID given "Name: <name>, ID:").
+        # The "records" population: the held-out targets (p0 never saw them, so LiRA's
+        # reference is valid for all) vs validation records; p0 never saw a canary either.
         data.members = [r for r in pset.parts[0] if r.id in holdout]
         reference = _reference_model(ctx.dep("ref_bundle") / "bundle")
     singles = {GOLDFISH: ctx.dep(GOLDFISH) / "model"} if GOLDFISH in ctx.deps else None
@@ -125,17 +132,9 @@ def run_attack(ctx: StageContext) -> None:
                 raise ConfigError(f"corpora.{corpus}: attack {attack!r}: {missing[attack]}")
             report = run_eval(scorers, data, [attack], options=opts)
             rows = [r.to_dict() for r in report.rows]
-            if method in report.lira:
-                res = report.lira[method]
-                fpr, tpr = res.roc()
-                atomic_write_json(
-                    ctx.dir / "roc.json",
-                    {
-                        "fpr": [float(x) for x in fpr],
-                        "tpr": [float(x) for x in tpr],
-                        "auc": float(res.auc),
-                    },
-                )
+            if report.mia:
+                curves = {name: res.curves() for name, res in report.mia.items()}
+                atomic_write_json(ctx.dir / "roc.json", curves)
     atomic_write_json(ctx.dir / ROWS_NAME, rows)
 
 
@@ -229,7 +228,7 @@ def run_report(ctx: StageContext) -> None:
     tags: dict[str, dict[str, Any]] = inp["tags"]
     rows: list[dict[str, Any]] = []
     distributions: dict[str, dict[str, dict[str, Any]]] = {}
-    roc: dict[str, dict[str, dict[str, Any]]] = {}
+    roc: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     generations: dict[tuple[str, str], dict[str, Any]] = {}
     for role, path in ctx.deps.items():
         tag = tags.get(role, {})
@@ -246,8 +245,10 @@ def run_report(ctx: StageContext) -> None:
                     distributions.setdefault(parts[1], {}).setdefault(quantity, {})[method] = npz[
                         key
                     ]
-        if parts[0] == "attack" and parts[3] == "lira" and (path / "roc.json").exists():
-            roc.setdefault(parts[1], {})[parts[2]] = read_json(path / "roc.json")
+        if parts[0] == "attack" and parts[3] == "mia" and (path / "roc.json").exists():
+            for method, curves in read_json(path / "roc.json").items():
+                for attack, curve in curves.items():
+                    roc.setdefault(parts[1], {}).setdefault(attack, {})[method] = curve
         if parts[0] == "attack" and parts[3] == "generations":
             for i, g in enumerate(read_json(path / "generations.json")):
                 entry = generations.setdefault(

@@ -14,11 +14,13 @@ from scpdr.report.tables import (
     format_value,
     kx_table,
     main_table,
+    mia_table,
     nas_scores,
     to_html,
     to_markdown,
     to_rich,
 )
+from scpdr.report.verdicts import verdicts
 
 __all__ = [
     "READING_GUIDE",
@@ -29,9 +31,11 @@ __all__ = [
     "format_value",
     "kx_table",
     "main_table",
+    "mia_table",
     "nas_scores",
     "render_report",
     "to_html",
     "to_markdown",
     "to_rich",
+    "verdicts",
 ]

@@ -1,6 +1,8 @@
 """The report's table model and ranking: a :class:`Table` of :class:`Cell` s under
-:class:`Column` s, the paper's number format (:func:`format_value`) and the best / second-best
-marks of every column (:func:`rank_marks`; bold and underlined in the paper's tables).
+:class:`Column` s, the paper's number format (:func:`format_value`), a value with its 95%
+interval (:func:`format_ci`: ``.60 ±.12``) and the best / second-best marks of every column
+(:func:`rank_marks`; bold and underlined in the paper's tables). A membership AUC column ranks by
+``|AUC − .5|`` (direction "center": an AUC below .5 is leakage too, never the best protection).
 
 A table is plain data; :mod:`scpdr.report.formats` renders it as Markdown, HTML or a rich table.
 """
@@ -15,10 +17,12 @@ from typing import Literal
 from scpdr import methods as M
 
 __all__ = [
+    "NEAR_CHANCE",
     "Cell",
     "Column",
     "Mark",
     "Table",
+    "format_ci",
     "format_value",
     "marked_cells",
     "methods_table",
@@ -26,6 +30,10 @@ __all__ = [
 ]
 
 Mark = Literal["best", "second"] | None
+Direction = Literal["down", "up", "center"]
+_ARROWS = {"down": "↓", "up": "↑", "center": "→.5"}
+#: Appended to a cell that is not distinguishable at 95% from the reference row (No CP-val).
+NEAR_CHANCE = "°"
 
 
 @dataclass
@@ -36,16 +44,19 @@ class Column:
     group: str
     sub: str  # corpus label ("" for the NAS column)
     label: str
-    direction: Literal["down", "up"]
+    direction: Direction
     attack: str | None = None
     metrics: tuple[str, ...] = ()
     corpus: str | None = None
     weight: float = 0.0  # NAS weight (0: not an attack column)
 
     @property
+    def arrow(self) -> str:
+        return _ARROWS[self.direction]
+
+    @property
     def header(self) -> str:
-        arrow = "↓" if self.direction == "down" else "↑"
-        parts = [f"{self.group} {arrow}"]
+        parts = [f"{self.group} {self.arrow}"]
         if self.sub:
             parts.append(self.sub)
         if self.label:
@@ -107,6 +118,17 @@ def format_value(value: float | None) -> str:
     return sign + s
 
 
+def format_ci(value: float | None, low: float | None, high: float | None, *, mark: str = "") -> str:
+    """``.60 ±.12``: the value and half its 95% interval (the interval itself, possibly
+    asymmetric, is in ``results.json``); the value alone without an interval. ``mark`` is
+    appended (e.g. :data:`NEAR_CHANCE`)."""
+    text = format_value(value)
+    ok = all(x is not None and math.isfinite(float(x)) for x in (value, low, high))
+    if ok and text != "-":
+        text += " ±" + format_value((float(high) - float(low)) / 2.0)  # type: ignore[arg-type]
+    return text + mark
+
+
 def _rank_key(value: float) -> float:
     """Values equal at the displayed precision tie."""
     text = format_value(value).replace("<.001", "0").replace("∞", "inf")
@@ -116,14 +138,18 @@ def _rank_key(value: float) -> float:
         return value
 
 
-def rank_marks(values: Sequence[float | None], direction: Literal["down", "up"]) -> list[Mark]:
+def _directed(v: float, direction: Direction) -> float:
+    if direction == "center":  # a membership AUC: distance from chance, either side
+        return _rank_key(abs(v - 0.5))
+    return _rank_key(v) if direction == "down" else -_rank_key(v)
+
+
+def rank_marks(values: Sequence[float | None], direction: Direction) -> list[Mark]:
     """'best' for every value equal (at display precision) to the best, 'second' for the next
-    distinct value; None/NaN values are not ranked."""
+    distinct value; None/NaN values are not ranked. Direction "center" ranks by the distance
+    from 0.5 (a membership AUC)."""
     keyed = [
-        (_rank_key(v) if direction == "down" else -_rank_key(v))
-        if v is not None and not math.isnan(v)
-        else None
-        for v in values
+        _directed(v, direction) if v is not None and not math.isnan(v) else None for v in values
     ]
     distinct = sorted({k for k in keyed if k is not None})
     if sum(k is not None for k in keyed) < 2:
@@ -147,19 +173,22 @@ def marked_cells(
     values: Mapping[str, Sequence[float | None]],
     methods: Sequence[str],
     columns: Sequence[Column],
+    texts: Mapping[str, Sequence[str]] | None = None,
 ) -> list[list[Cell]]:
     """One row of cells per method of ``methods`` (``values[m][j]``: method m, column j); in each
     column the best value among ``methods`` is marked "best" and the next "second"
-    (:func:`rank_marks`, in the column's direction)."""
+    (:func:`rank_marks`, in the column's direction). ``texts`` replaces the displayed text
+    (e.g. with an interval); default :func:`format_value`."""
     marks: dict[str, list[Mark]] = {m: [None] * len(columns) for m in methods}
     for j, col in enumerate(columns):
         col_marks = rank_marks([values[m][j] for m in methods], col.direction)
         for m, mk in zip(methods, col_marks, strict=True):
             marks[m][j] = mk
-    return [
-        [Cell(v, format_value(v), mk) for v, mk in zip(values[m], marks[m], strict=True)]
-        for m in methods
-    ]
+    out = []
+    for m in methods:
+        shown = texts[m] if texts is not None else [format_value(v) for v in values[m]]
+        out.append([Cell(v, t, mk) for v, t, mk in zip(values[m], shown, marks[m], strict=True)])
+    return out
 
 
 def methods_table(

@@ -40,10 +40,7 @@ def to_markdown(table: Table) -> str:
 def _header_rows(table: Table) -> list[list[tuple[str, int]]]:
     """Grouped header rows: (text, colspan) per level, merging equal neighbours."""
     levels: list[list[str]] = [
-        [
-            f"{c.group} {'↓' if c.direction == 'down' else '↑'}" if c.label or c.sub else c.group
-            for c in table.columns
-        ],
+        [f"{c.group} {c.arrow}" if c.label or c.sub else c.group for c in table.columns],
         [c.sub for c in table.columns],
         [c.label for c in table.columns],
     ]
@@ -63,8 +60,9 @@ def _header_rows(table: Table) -> list[list[tuple[str, int]]]:
     return out
 
 
-def to_html(table: Table) -> str:
-    """An HTML table with grouped headers; bold ``<b>``, underline ``<u>``."""
+def to_html(table: Table, *, notes: bool = True) -> str:
+    """An HTML table with grouped headers; bold ``<b>``, underline ``<u>``; its notes below it
+    unless ``notes=False`` (the report prints them once, as its own blocks)."""
     parts = [f'<table class="results"><caption>{html.escape(table.title)}</caption><thead>']
     header_rows = _header_rows(table)
     for li, row in enumerate(header_rows):
@@ -91,7 +89,7 @@ def to_html(table: Table) -> str:
             parts.append(f"<td>{t}</td>")
         parts.append("</tr>")
     parts.append("</tbody></table>")
-    if table.notes:
+    if notes and table.notes:
         parts.append('<p class="note">' + " ".join(html.escape(n) for n in table.notes) + "</p>")
     return "".join(parts)
 
@@ -104,9 +102,7 @@ def to_rich(table: Table) -> Any:
     rt = RichTable(title=table.title, show_lines=False, header_style="bold")
     rt.add_column(table.corner, style="bold", no_wrap=True)
     for c in table.columns:
-        head = "\n".join(
-            x for x in (f"{c.group} {'↓' if c.direction == 'down' else '↑'}", c.sub, c.label) if x
-        )
+        head = "\n".join(x for x in (f"{c.group} {c.arrow}", c.sub, c.label) if x)
         rt.add_column(head, justify="right")
     for i, (label, row) in enumerate(zip(table.row_labels, table.cells, strict=True)):
         texts = []

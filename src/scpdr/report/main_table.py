@@ -4,7 +4,9 @@
 evaluated method, in :data:`scpdr.methods.METHOD_ORDER`), then No CP-val and STE; columns NAS,
 Canary Mean/95%, PII AEL/FER, TTE AUC/ACC per corpus, Utility ACC per corpus. Best value of a
 column in bold, second underlined, among the method rows (not No CP-val / STE); direction per
-column: attacks ↓, utility ↑.
+column: attacks ↓, utility ↑. Every cell with an interval reads ``.60 ±.12`` (half the 95%
+bootstrap interval over examples); an attack cell not distinguishable from No CP-val at 95%
+(:func:`scpdr.report.rows.differs`) is marked ``°``.
 
 NAS (paper §5.4, "Main results"): every attack column is min-max normalized to [0, 1] over the
 rows except STE (No CP-val included), and NAS is the weighted mean of a row's normalized scores.
@@ -21,8 +23,16 @@ from typing import Any, Literal
 
 from scpdr import methods as M
 from scpdr.attacks.results import NO_CP_VAL, STE  # the reference rows below the methods
-from scpdr.report.cells import Cell, Column, Table, format_value, marked_cells
-from scpdr.report.rows import corpora_for, main_rows, ordered_methods, pick, row_value, ste_of
+from scpdr.report.cells import NEAR_CHANCE, Cell, Column, Table, format_ci, marked_cells
+from scpdr.report.rows import (
+    corpora_for,
+    differs,
+    main_rows,
+    ordered_methods,
+    pick,
+    row_value,
+    ste_of,
+)
 
 __all__ = ["COLUMN_SPECS", "ColumnSpec", "main_table", "nas_scores"]
 
@@ -142,6 +152,22 @@ def main_table(
         return [nas[method], *vals] if attack_idx else vals
 
     table_values = {m: full_row(m) for m in values}
+
+    def cell_text(method: str, j: int) -> str:
+        r = raw[method][j]
+        if r is None:
+            return format_ci(None, None, None)
+        mark = ""
+        ref = raw.get(NO_CP_VAL, [None] * len(columns))[j]
+        if method != NO_CP_VAL and columns[j].weight > 0 and differs(r, ref) is False:
+            mark = NEAR_CHANCE
+        return format_ci(row_value(r), r.get("ci_low"), r.get("ci_high"), mark=mark)
+
+    texts = {
+        m: ([format_ci(nas[m], None, None)] if attack_idx else [])
+        + [cell_text(m, j) for j in range(len(columns))]
+        for m in table_values
+    }
     ste_vals: list[float | None] | None = None
     if NO_CP_VAL in raw:
         ste = [ste_of(r) for r in raw[NO_CP_VAL]]
@@ -149,20 +175,26 @@ def main_table(
             ste_vals = [None, *ste] if attack_idx else ste
 
     row_keys = list(present_methods)
-    cells = marked_cells(table_values, present_methods, all_columns)  # marks among these rows
+    # marks among these rows
+    cells = marked_cells(table_values, present_methods, all_columns, texts)
     separator = None
     if NO_CP_VAL in table_values:
         separator = len(row_keys)
         row_keys.append(NO_CP_VAL)
-        cells.append([Cell(v, format_value(v)) for v in table_values[NO_CP_VAL]])
+        cells.append(
+            [Cell(v, t) for v, t in zip(table_values[NO_CP_VAL], texts[NO_CP_VAL], strict=True)]
+        )
     if ste_vals is not None:
         if separator is None:
             separator = len(row_keys)
         row_keys.append(STE)
-        cells.append([Cell(v, format_value(v)) for v in ste_vals])
+        cells.append([Cell(v, format_ci(v, None, None)) for v in ste_vals])
     notes = [
         "Best value per column in bold, second best underlined (among the method rows); "
-        "attacks ↓ (lower is better), utility ↑.",
+        "attacks ↓ (lower is better), utility ↑. ±: half the 95% bootstrap interval over "
+        f"examples; {NEAR_CHANCE}: not distinguishable from No CP-val at 95% (two-sided test "
+        "of the difference, normal approximation with each standard error read off its "
+        "interval).",
     ]
     if attack_idx:
         notes.append(

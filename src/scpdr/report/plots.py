@@ -8,7 +8,8 @@ data (the report then says the plot was omitted — nothing is faked):
 - :func:`exposure_vs_m` — canary exposure vs the smoothing parameter m, log x (Fig. 4a; mean
   solid, upper percentile dashed).
 - :func:`tte_vs_epochs` — TTE AUC vs training epochs (Fig. 4b).
-- :func:`lira_roc` — LiRA ROC curves on log-log axes (Carlini et al. 2022 style).
+- :func:`lira_roc` — ROC curves of one membership test on log-log axes (Carlini et al. 2022
+  style), and :func:`mia_roc` — one such panel per attack of the MIA suite.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import numpy as np
 from scpdr import methods as M
 from scpdr.io import atomic_write
 
-__all__ = ["bound_histograms", "exposure_vs_m", "lira_roc", "method_color", "tte_vs_epochs"]
+__all__ = [
+    "bound_histograms",
+    "exposure_vs_m",
+    "lira_roc",
+    "method_color",
+    "mia_roc",
+    "tte_vs_epochs",
+]
 
 
 def method_color(method: str) -> str:
@@ -210,18 +218,8 @@ def tte_vs_epochs(
     return _save(fig, path)
 
 
-def lira_roc(
-    curves: Mapping[str, Mapping[str, Sequence[float]]],
-    path: str | os.PathLike[str],
-    *,
-    title: str = "LiRA ROC",
-) -> Path | None:
-    """ROC curves (``{method: {"fpr": [...], "tpr": [...], "auc": float?}}``) on log-log axes with
-    the chance diagonal."""
-    curves = {m: c for m, c in curves.items() if len(c.get("fpr", ())) > 1}
-    if not curves:
-        return None
-    fig, (ax,) = _figure(1, width=4.6, height=4.2)
+def _roc_panel(ax: Any, curves: Mapping[str, Mapping[str, Any]], title: str) -> None:
+    """ROC curves of one test, one per method, on log-log axes with the chance diagonal."""
     lo = 1.0
     for method in _sorted_methods(curves):
         c = curves[method]
@@ -242,5 +240,51 @@ def lira_roc(
     ax.set_xlabel("false positive rate")
     ax.set_ylabel("true positive rate")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=6, loc="lower right")
+
+
+def _usable(curves: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    return {m: c for m, c in curves.items() if len(c.get("fpr", ())) > 1}
+
+
+def lira_roc(
+    curves: Mapping[str, Mapping[str, Sequence[float]]],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "LiRA ROC",
+) -> Path | None:
+    """ROC curves (``{method: {"fpr": [...], "tpr": [...], "auc": float?}}``) on log-log axes with
+    the chance diagonal."""
+    curves = _usable(curves)
+    if not curves:
+        return None
+    fig, (ax,) = _figure(1, width=4.6, height=4.2)
+    _roc_panel(ax, curves, title)
+    return _save(fig, path)
+
+
+def mia_roc(
+    per_attack: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    path: str | os.PathLike[str],
+    *,
+    labels: Mapping[str, str] | None = None,
+    title: str = "",
+) -> Path | None:
+    """One log-log ROC panel per attack (``{attack: {method: curve}}``, in the given order), each
+    with the chance diagonal; ``labels`` names the attacks."""
+    panels = {a: _usable(c) for a, c in per_attack.items()}
+    panels = {a: c for a, c in panels.items() if c}
+    if not panels:
+        return None
+    from matplotlib.figure import Figure
+
+    ncols = min(3, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig = Figure(figsize=(4.4 * ncols, 4.0 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, (attack, curves) in zip(axes, panels.items(), strict=False):
+        name = (labels or {}).get(attack, attack)
+        _roc_panel(ax, curves, f"{title} — {name}" if title else name)
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
     return _save(fig, path)

@@ -19,18 +19,21 @@ from typing import Any
 import numpy as np
 
 from scpdr import methods as M
+from scpdr.attacks.mia import MIA_LABELS
 from scpdr.io import atomic_write_text
 from scpdr.report import plots
+from scpdr.report.budget import budget_plot, budget_table
 from scpdr.report.tables import (
     Table,
     canary_table,
     generations_table,
     kx_table,
-    lira_table,
     main_table,
+    mia_table,
     to_html,
     to_markdown,
 )
+from scpdr.report.verdicts import verdicts
 
 __all__ = ["READING_GUIDE", "RenderedReport", "ReportInputs", "render_report"]
 
@@ -47,7 +50,12 @@ READING_GUIDE = (
     "and accuracy when every greedy token is accepted; **Utility** = next-token accuracy on "
     "held-out data (higher is better); **NAS** = the attack columns min-max normalized over the "
     "rows and averaged (0 = least leakage among the rows). A protected method works when its "
-    "attack columns are close to No CP-val while its utility stays close to No CP."
+    "attack columns are close to No CP-val while its utility stays close to No CP. Every number "
+    "comes with half its 95% bootstrap interval (±); a cell marked ° is not distinguishable from "
+    "No CP-val at 95%. **Membership inference** asks a different question: not whether the "
+    "training data can be reproduced, but whether one can tell that an example was trained on "
+    "(ROC AUC .5 = chance, either side of it is leakage). Every attack reads only what a fresh "
+    "request returns (the TDE game, paper Def. 4.2; docs/attacks.md)."
 )
 
 
@@ -56,7 +64,7 @@ class ReportInputs:
     """Everything a report is made of.
 
     ``distributions``: corpus → quantity (``"k_x"``, ``"t_x"``, ``"t_x_rare"``, ``"v_x"``,
-    ``"v_x_rare"``) → method → per-position values. ``roc``: corpus → method →
+    ``"v_x_rare"``) → method → per-position values. ``roc``: corpus → MIA attack → method →
     ``{"fpr", "tpr", "auc"}``. ``generations``: ``{"corpus", "prompt", "reference",
     "outputs": {method: text}}``.
     """
@@ -67,7 +75,7 @@ class ReportInputs:
     methods: list[str] | None = None
     summary: str = ""
     distributions: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    roc: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    roc: dict[str, dict[str, dict[str, dict[str, Any]]]] = field(default_factory=dict)
     generations: list[dict[str, Any]] = field(default_factory=list)
     generation_methods: list[str] = field(
         default_factory=lambda: ["none", M.canonical("scp-delta-r")]  # No CP vs SCP-Δr-b
@@ -91,7 +99,7 @@ class RenderedReport:
 
 @dataclass
 class _Block:
-    kind: str  # h1 h2 h3 p note table figure code
+    kind: str  # h1 h2 h3 p note li table figure code
     text: str = ""
     table: Table | None = None
     path: Path | None = None
@@ -147,9 +155,12 @@ def render_report(
     canary = canary_table(rows)
     if canary is not None:
         tables["canary"] = canary
-    lira = lira_table(rows, corpus_labels=labels)
-    if lira is not None:
-        tables["lira"] = lira
+    mia = mia_table(rows, corpus_labels=labels)
+    if mia is not None:
+        tables["mia"] = mia
+    budget = budget_table(rows, corpus_labels=labels)
+    if budget is not None:
+        tables["budget"] = budget
     gens = generations_table(inputs.generations, inputs.generation_methods)
     if gens is not None:
         tables["generations"] = gens
@@ -186,16 +197,20 @@ def render_report(
     figures["tte_vs_epochs"] = draw_or_none(
         plots.tte_vs_epochs, rows, plot_dir / "tte_vs_epochs.png"
     )
-    for corpus, curves in inputs.roc.items():
-        name = f"lira_roc_{corpus}"
+    multi = len(inputs.roc) > 1
+    for corpus, per_attack in inputs.roc.items():
+        name = f"mia_roc_{corpus}"
+        ordered = {a: per_attack[a] for a in MIA_LABELS if a in per_attack}
         figures[name] = draw_or_none(
-            plots.lira_roc,
-            curves,
+            plots.mia_roc,
+            ordered,
             plot_dir / f"{name}.png",
-            title=f"LiRA ROC — {labels.get(corpus, corpus)}",
+            labels=MIA_LABELS,
+            title=labels.get(corpus, corpus) if multi else "",
         )
     if not inputs.roc:
-        figures["lira_roc"] = None
+        figures["mia_roc"] = None
+    figures["budget"] = draw_or_none(budget_plot, rows, plot_dir / "budget.png")
 
     no_draw = "plots disabled (report.plots: false)."
     default_reasons = {
@@ -206,13 +221,15 @@ def render_report(
         "`sweeps: [{key: m, values: [1, 10, 100, 1000], attacks: [canary]}]`).",
         "tte_vs_epochs": "no sweep over train.epochs with the TTE attack in this config (see "
         "configs/ablations/epochs.yaml).",
-        "lira_roc": "no LiRA results in this run (attack 'lira' not requested).",
+        "mia_roc": "no membership-inference results in this run (attack 'mia' not requested).",
+        "budget": "no extraction-budget sweep in this run (attack 'budget' not requested; "
+        "configs/audit.yaml runs it).",
     }
 
     def reason(name: str) -> str:
         if not draw:
             return no_draw
-        base = name if not name.startswith("lira_roc") else "lira_roc"
+        base = name if not name.startswith("mia_roc") else "mia_roc"
         return reasons.get(base, default_reasons.get(base, "no data."))
 
     blocks: list[_Block] = [_Block("h1", inputs.title)]
@@ -220,6 +237,10 @@ def render_report(
         blocks.append(_Block("p", inputs.summary))
     blocks += [_Block("h2", "Main results"), _Block("table", table=main)]
     blocks += [_Block("note", n) for n in main.notes]
+    lines = verdicts(rows, methods=inputs.methods)
+    if lines:
+        blocks += [_Block("h3", "Verdicts")]
+        blocks += [_Block("li", line) for line in lines]
     blocks += [_Block("h3", "How to read this table"), _Block("p", READING_GUIDE)]
     if "kx" in tables:
         blocks += [
@@ -233,12 +254,18 @@ def render_report(
             _Block("table", table=tables["canary"]),
         ]
         blocks += [_Block("note", n) for n in tables["canary"].notes]
-    if "lira" in tables:
+    if "mia" in tables:
         blocks += [
-            _Block("h2", "Membership inference (LiRA)"),
-            _Block("table", table=tables["lira"]),
+            _Block("h2", "Membership inference"),
+            _Block("table", table=tables["mia"]),
         ]
-        blocks += [_Block("note", n) for n in tables["lira"].notes]
+        blocks += [_Block("note", n) for n in tables["mia"].notes]
+    if "budget" in tables:
+        blocks += [
+            _Block("h2", "Extraction budget"),
+            _Block("table", table=tables["budget"]),
+        ]
+        blocks += [_Block("note", n) for n in tables["budget"].notes]
     blocks.append(_Block("h2", "Figures"))
     blocks += _figure_blocks(
         "kx_hist",
@@ -270,18 +297,25 @@ def render_report(
         "Token-by-token extraction AUC across memorization levels.",
         reason("tte_vs_epochs"),
     )
-    roc_names = [n for n in figures if n.startswith("lira_roc")]
+    roc_names = [n for n in figures if n.startswith("mia_roc")]
     for name in roc_names:
-        corpus = name.removeprefix("lira_roc").removeprefix("_")
-        title = "LiRA ROC" + (f" — {labels.get(corpus, corpus)}" if corpus else "")
+        corpus = name.removeprefix("mia_roc").removeprefix("_")
+        title = "Membership-inference ROC" + (f" — {labels.get(corpus, corpus)}" if corpus else "")
         blocks += _figure_blocks(
             name,
             title,
             figures[name],
-            "Likelihood-ratio membership inference against a reference trained without the "
-            "targets; log-log axes.",
+            "ROC of every membership test per method, log-log axes; the dotted diagonal is chance.",
             reason(name),
         )
+    blocks += _figure_blocks(
+        "budget",
+        "Extraction budget",
+        figures["budget"],
+        "TPR at 1% FPR of LiRA and Ref vs the budget B per response, against the certified line "
+        "e^B · 1%; next-token accuracy and tokens per answer vs B (docs/accountant.md).",
+        reason("budget"),
+    )
     blocks.append(_Block("h2", "Generations"))
     if "generations" in tables:
         meths = " vs ".join(M.label(m) for m in inputs.generation_methods)
@@ -317,6 +351,8 @@ def _to_markdown(blocks: Sequence[_Block], root: Path) -> str:
             parts.append(b.text + "\n")
         elif b.kind == "note":
             parts.append(f"_{b.text}_\n")
+        elif b.kind == "li":
+            parts.append(f"- {b.text}")
         elif b.kind == "table" and b.table is not None:
             parts.append(to_markdown(b.table))
         elif b.kind == "figure" and b.path is not None:
@@ -355,8 +391,10 @@ def _to_html(blocks: Sequence[_Block], title: str) -> str:
             parts.append(f"<p>{_inline(b.text)}</p>")
         elif b.kind == "note":
             parts.append(f"<p class='note'>{html.escape(b.text)}</p>")
+        elif b.kind == "li":
+            parts.append(f"<ul><li>{_inline(b.text)}</li></ul>")
         elif b.kind == "table" and b.table is not None:
-            parts.append(to_html(b.table))
+            parts.append(to_html(b.table, notes=False))  # the notes are blocks of their own
         elif b.kind == "figure" and b.path is not None:
             data = base64.b64encode(Path(b.path).read_bytes()).decode("ascii")
             parts.append(

@@ -14,6 +14,8 @@ from scpdr import methods as M
 __all__ = [
     "as_dict",
     "corpora_for",
+    "differs",
+    "estimate_of",
     "main_rows",
     "ordered_methods",
     "pick",
@@ -102,3 +104,33 @@ def ordered_methods(rows: Sequence[Mapping[str, Any]], methods: Sequence[str] | 
     known = [m for m in M.METHOD_ORDER if m in present]
     other = sorted(m for m in present if m not in M.METHOD_ORDER and m not in M.REFERENCE_METHODS)
     return known + [m for m in other if isinstance(m, str)]
+
+
+def estimate_of(row: Mapping[str, Any] | None) -> Any:
+    """The row's :class:`scpdr.attacks.stats.Estimate` (value, 95% interval, n), or None when it
+    has no value; the interval bounds are NaN when the row carries none."""
+    from scpdr.attacks.stats import Estimate
+
+    v = row_value(row)
+    if row is None or v is None:
+        return None
+    lo, hi = row.get("ci_low"), row.get("ci_high")
+    nan = float("nan")
+    return Estimate(
+        v,
+        nan if lo is None else float(lo),
+        nan if hi is None else float(hi),
+        int(row.get("n") or 0),
+    )
+
+
+def differs(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool | None:
+    """Whether two rows' values differ at 95% (:func:`scpdr.attacks.stats.distinguishable`: the
+    normal-approximation interval of their difference, each standard error read off its own
+    bootstrap interval, excludes 0); None when either lacks a value or an interval."""
+    from scpdr.attacks.stats import distinguishable
+
+    ea, eb = estimate_of(a), estimate_of(b)
+    if ea is None or eb is None:
+        return None
+    return distinguishable(ea, eb)

@@ -4,7 +4,8 @@
 - :func:`main_table` — the paper's Table 3 with its NAS column (:mod:`scpdr.report.main_table`).
 - :func:`kx_table` — the 99th-percentile k_x table (paper App. E, Table "k_x").
 - :func:`canary_table` — exposure per repetition count (paper App. E, canary table).
-- :func:`lira_table` — LiRA ROC AUC and TPR at low FPR per method and corpus.
+- :func:`mia_table` — the membership-inference suite: ROC AUC and TPR@1% per method and attack
+  (:mod:`scpdr.report.mia_table`).
 - :func:`generations_table` — greedy continuations side by side.
 
 A table is plain data (:class:`~scpdr.report.cells.Table`); :func:`to_markdown`, :func:`to_html`
@@ -29,6 +30,7 @@ from scpdr.report.cells import (
 )
 from scpdr.report.formats import to_html, to_markdown, to_rich
 from scpdr.report.main_table import COLUMN_SPECS, main_table, nas_scores
+from scpdr.report.mia_table import mia_table
 from scpdr.report.rows import corpora_for, main_rows, ordered_methods, pick, row_value
 
 __all__ = [
@@ -40,8 +42,8 @@ __all__ = [
     "format_value",
     "generations_table",
     "kx_table",
-    "lira_table",
     "main_table",
+    "mia_table",
     "nas_scores",
     "rank_marks",
     "to_html",
@@ -143,41 +145,6 @@ def canary_table(
         table.row_labels.append("Random baseline")
         table.cells.append([Cell(v, format_value(v)) for v in base])
     return table
-
-
-def lira_table(
-    rows: Iterable[Any],
-    *,
-    corpus_labels: Mapping[str, str] | None = None,
-    title: str = "Membership inference (LiRA)",
-) -> Table | None:
-    """LiRA ROC AUC and TPR at 1% / 0.1% FPR per method and corpus (rows ``attack == "lira"``);
-    None without such rows."""
-    rows = [r for r in main_rows(rows) if r.get("attack") == "lira"]
-    if not rows:
-        return None
-    labels = dict(corpus_labels or {})
-    metrics = [("auc", "AUC"), ("tpr@0.01fpr", "TPR@1%"), ("tpr@0.001fpr", "TPR@0.1%")]
-    columns = [
-        Column("LiRA", labels.get(c, c or "") if c else "", label, "down", "lira", (metric,), c)
-        for c in corpora_for(rows, "lira")
-        for metric, label in metrics
-        if any(r.get("metric") == metric and r.get("corpus") == c for r in rows)
-    ]
-    methods = ordered_methods(rows, None)
-    vals = {
-        m: [
-            row_value(pick(rows, method=m, attack="lira", metrics=c.metrics, corpus=c.corpus))
-            for c in columns
-        ]
-        for m in methods
-    }
-    notes = [
-        "Offline LiRA against the same method over the reference constituents (p0 trained "
-        "without the targets); members = the held-out targets, non-members = validation. "
-        "AUC 0.5 = chance."
-    ]
-    return methods_table(title, columns, vals, methods, notes)
 
 
 def generations_table(
