@@ -80,4 +80,4 @@ def test_the_report_shows_the_sweep_and_its_figure(tmp_path):
 
     without = render_report(ReportInputs(rows=main), tmp_path / "plain")
     text = without.markdown.read_text()
-    assert "## Extraction budget" not in text and "attack 'budget' not requested" in text
+    assert "Extraction budget" not in text and "budget" not in without.figures

@@ -210,7 +210,8 @@ def render_report(
         )
     if not inputs.roc:
         figures["mia_roc"] = None
-    figures["budget"] = draw_or_none(budget_plot, rows, plot_dir / "budget.png")
+    if "budget" in tables:  # an optional section: no "omitted" note without the sweep
+        figures["budget"] = draw_or_none(budget_plot, rows, plot_dir / "budget.png")
 
     no_draw = "plots disabled (report.plots: false)."
     default_reasons = {
@@ -222,8 +223,6 @@ def render_report(
         "tte_vs_epochs": "no sweep over train.epochs with the TTE attack in this config (see "
         "configs/ablations/epochs.yaml).",
         "mia_roc": "no membership-inference results in this run (attack 'mia' not requested).",
-        "budget": "no extraction-budget sweep in this run (attack 'budget' not requested; "
-        "configs/audit.yaml runs it).",
     }
 
     def reason(name: str) -> str:
@@ -308,14 +307,15 @@ def render_report(
             "ROC of every membership test per method, log-log axes; the dotted diagonal is chance.",
             reason(name),
         )
-    blocks += _figure_blocks(
-        "budget",
-        "Extraction budget",
-        figures["budget"],
-        "TPR at 1% FPR of LiRA and Ref vs the budget B per response, against the certified line "
-        "e^B · 1%; next-token accuracy and tokens per answer vs B (docs/accountant.md).",
-        reason("budget"),
-    )
+    if "budget" in figures:
+        blocks += _figure_blocks(
+            "budget",
+            "Extraction budget",
+            figures["budget"],
+            "TPR at 1% FPR of LiRA and Ref vs the budget B per response, against the certified "
+            "line e^B · 1%; next-token accuracy and tokens per answer vs B (docs/accountant.md).",
+            reason("budget"),
+        )
     blocks.append(_Block("h2", "Generations"))
     if "generations" in tables:
         meths = " vs ".join(M.label(m) for m in inputs.generation_methods)
