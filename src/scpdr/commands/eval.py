@@ -25,7 +25,7 @@ from scpdr.methods import MAIN_TABLE_METHODS, SPECS, STATELESS_RULES
 
 _DEFAULT_METHODS = ",".join(MAIN_TABLE_METHODS)
 _KNOWN_METHODS = ", ".join(n for n, s in SPECS.items() if s.kind == "aggregate")
-_DEFAULT_ATTACKS = "canary,pii,tte,lira,utility,secrets"
+_DEFAULT_ATTACKS = "canary,pii,tte,mia,utility,secrets"
 #: The methods of a CPU run whose main table would not fit the budget: No CP (the undefended
 #: constituent 0) and SCP-Δr-b (the paper's method).
 CPU_METHODS: tuple[str, ...] = (
@@ -89,8 +89,8 @@ def eval_(
     attacks: str = typer.Option(
         _DEFAULT_ATTACKS,
         "--attacks",
-        help="Comma-separated: canary, pii, tte, lira, utility, secrets (those without their "
-        "data are skipped).",
+        help="Comma-separated: canary, pii, tte, mia (the membership-inference suite; lira is "
+        "its older name), utility, secrets (those without their data are skipped).",
     ),
     methods: str | None = typer.Option(
         None,
@@ -138,7 +138,10 @@ def eval_(
         False, "--q-fails", help="Also TTE restricted to tokens q (constituent 1) fails to predict."
     ),
     lira_n: int | None = typer.Option(
-        None, "--lira-n", min=1, help="Members and non-members each [default: 64]."
+        None,
+        "--lira-n",
+        min=1,
+        help="Members and non-members each of the MIA suite (LiRA included) [default: 64].",
     ),
     utility_n: int | None = typer.Option(
         None, "--utility-n", min=1, help="Validation examples [default: 64]."

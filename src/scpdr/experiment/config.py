@@ -198,7 +198,8 @@ class ExperimentConfig(Section):
     def needs_reference(self) -> bool:
         if self.references.enabled is not None:
             return self.references.enabled
-        mia = any("mia" in c.resolved_attacks for c in self.corpora)  # LiRA's p0
+        # LiRA's p0: the MIA suite's, and the budget sweep's lira
+        mia = any({"mia", "budget"} & set(c.resolved_attacks) for c in self.corpora)
         return mia or (self.bounds.enabled and self.bounds.v_x)
 
     def with_value(self, key: str, value: Any) -> ExperimentConfig:
