@@ -13,6 +13,8 @@ from scpdr.attacks.stats import (
     Estimate,
     bootstrap_ci,
     distinguishable,
+    pairwise_weighted_roc,
+    ranked_weighted_roc,
     roc_metrics,
     tpr_at_fpr,
     weighted_roc,
@@ -124,6 +126,25 @@ def test_weighted_roc_equals_scikit_learn_on_the_expanded_sample(mem, non, seed)
         assert auc[r] == pytest.approx(want.auc.value, abs=1e-12)
         for c, lv in enumerate(levels):
             assert tprs[r, c] == pytest.approx(want.tpr[lv].value, abs=1e-12), lv
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-3, 3).map(lambda x: round(x, 1)), min_size=1, max_size=40),
+    st.lists(st.floats(-3, 3).map(lambda x: round(x, 1)), min_size=1, max_size=40),
+    st.integers(0, 2**31),
+)
+def test_ranked_weighted_roc_equals_its_pairwise_definition(mem, non, seed):
+    # rounded scores: ties within and across the two sets; weights with zeros
+    mem, non = np.asarray(mem), np.asarray(non)
+    rng = np.random.default_rng(seed)
+    v = rng.multinomial(mem.size, np.full(mem.size, 1 / mem.size), size=4).astype(float)
+    w = rng.multinomial(non.size, np.full(non.size, 1 / non.size), size=4).astype(float)
+    levels = (0.01, 0.1, 0.5)
+    auc, tprs = ranked_weighted_roc(mem, non, v, w, levels)
+    want_auc, want_tprs = pairwise_weighted_roc(mem, non, v, w, levels)
+    np.testing.assert_allclose(auc, want_auc, atol=1e-12)
+    np.testing.assert_allclose(tprs, want_tprs, atol=1e-12)
 
 
 def test_pooled_mean_resamples_whole_examples():

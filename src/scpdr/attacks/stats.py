@@ -37,7 +37,9 @@ __all__ = [
     "ci_extra",
     "cluster_bootstrap_ci",
     "distinguishable",
+    "pairwise_weighted_roc",
     "pooled_mean_ci",
+    "ranked_weighted_roc",
     "roc_metrics",
     "tpr_at_fpr",
     "weighted_roc",
@@ -84,7 +86,9 @@ def _percentiles(stats: np.ndarray, level: float) -> tuple[float, float]:
     alpha = (1.0 - level) / 2.0
     lo, hi = np.quantile(stats, [alpha, 1.0 - alpha])
     # interpolation can step outside the replicates by one ulp (all-equal replicates)
-    return float(np.clip(lo, stats.min(), stats.max())), float(np.clip(hi, stats.min(), stats.max()))
+    return float(np.clip(lo, stats.min(), stats.max())), float(
+        np.clip(hi, stats.min(), stats.max())
+    )
 
 
 def bootstrap_ci(
@@ -210,7 +214,30 @@ def _roc_point(members: np.ndarray, nonmembers: np.ndarray, levels: Sequence[flo
     return float(roc_auc_score(y, s)), [tpr_at_fpr(fpr, tpr, lv) for lv in levels], fpr, tpr
 
 
+#: Below this many member × non-member pairs the pairwise form is the faster one
+#: (``benchmarks/bench_stats.py``: crossover between 10 and 40 of each, with numpy/OpenBLAS on
+#: AVX-512 and forced to AVX2 — NPY_DISABLE_CPU_FEATURES=X86_V4, OPENBLAS_CORETYPE=Haswell).
+PAIRWISE_MAX_PAIRS = 1024
+
+
 def weighted_roc(
+    members: np.ndarray,
+    nonmembers: np.ndarray,
+    member_weights: np.ndarray,
+    nonmember_weights: np.ndarray,
+    levels: Sequence[float],
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`ranked_weighted_roc`, or :func:`pairwise_weighted_roc` for fewer than
+    :data:`PAIRWISE_MAX_PAIRS` pairs (the same values; whichever is faster)."""
+    fn = (
+        pairwise_weighted_roc
+        if members.size * nonmembers.size <= PAIRWISE_MAX_PAIRS
+        else ranked_weighted_roc
+    )
+    return fn(members, nonmembers, member_weights, nonmember_weights, levels)
+
+
+def ranked_weighted_roc(
     members: np.ndarray,
     nonmembers: np.ndarray,
     member_weights: np.ndarray,
@@ -224,28 +251,64 @@ def weighted_roc(
     ``nonmember_weights[r, j]``; with all weights 1 it equals :func:`_roc_point` (scikit-learn;
     tested). AUC = Σ_ij v_i w_j ([m_i > n_j] + ½[m_i = n_j]) / (Σv Σw). TPR at FPR ≤ α: among
     thresholds "score > u" for u a non-member value (or none), the lowest whose false positives
-    stay within α·Σw, and the member weight above it. Cost O(R · M · N).
+    stay within α·Σw, and the member weight above it. Cost O(R · (M + N)) after sorting: each
+    member's rank among the sorted non-members indexes the replicates' cumulative weights (the
+    O(R · M · N) definition: :func:`pairwise_weighted_roc`).
     """
     v = np.asarray(member_weights, dtype=np.float64)  # (R, M)
     w = np.asarray(nonmember_weights, dtype=np.float64)  # (R, N)
-    kernel = (members[:, None] > nonmembers[None, :]) + 0.5 * (
-        members[:, None] == nonmembers[None, :]
-    )  # (M, N)
+    n_rep = w.shape[0]
+    rows = np.arange(n_rep)[:, None]
     tot_v, tot_w = v.sum(1), w.sum(1)  # (R,)
-    auc = np.einsum("rm,mn,rn->r", v, kernel, w) / (tot_v * tot_w)
+    # AUC: member i beats the non-members below it and ties half of those equal to it
+    order = np.argsort(nonmembers, kind="stable")
+    sorted_non = nonmembers[order]
+    cum_w = np.concatenate([np.zeros((n_rep, 1)), np.cumsum(w[:, order], 1)], 1)  # (R, N+1)
+    below = np.searchsorted(sorted_non, members, side="left")  # (M,): non-members < m_i
+    upto = np.searchsorted(sorted_non, members, side="right")  # (M,): non-members <= m_i
+    beaten = cum_w[rows, below] + 0.5 * (cum_w[rows, upto] - cum_w[rows, below])  # (R, M)
+    auc = (v * beaten).sum(1) / (tot_v * tot_w)
     u, inv = np.unique(nonmembers, return_inverse=True)  # ascending distinct values (K,)
     u, inv = u[::-1], (u.size - 1) - inv  # descending: u[0] the largest
-    counts = np.zeros((w.shape[0], u.size))
+    counts = np.zeros((n_rep, u.size))
     np.add.at(counts.T, inv, w.T)  # (R, K): weight of each distinct value
-    fp = np.concatenate([np.zeros((w.shape[0], 1)), np.cumsum(counts, 1)], 1)  # (R, K+1)
-    # fp[:, k] = weight of non-members >= u[k-1]: the false positives of "score > u[k]"
-    above = members[:, None] > np.r_[u, -np.inf][None, :]  # (M, K+1): m_i > u[k]
-    tp = v @ above  # (R, K+1)
-    tprs = np.empty((w.shape[0], len(levels)))
+    fp = np.concatenate([np.zeros((n_rep, 1)), np.cumsum(counts, 1)], 1)  # (R, K+1)
+    # fp[:, k] = weight of non-members >= u[k-1]: the false positives of "score > u[k]".
+    # Member i is above u[k] from k = first[i] on (u descending; k = K is "no threshold")
+    first = u.size - np.searchsorted(u[::-1], members, side="left")  # (M,): #{u >= m_i}
+    gained = np.zeros((n_rep, u.size + 1))
+    np.add.at(gained.T, first, v.T)
+    tp = np.cumsum(gained, 1)  # (R, K+1): member weight above u[k]
+    tprs = np.empty((n_rep, len(levels)))
     for c, lv in enumerate(levels):
         ok = fp <= lv * tot_w[:, None] + 1e-9  # monotone: a prefix of the columns
         k = ok.sum(1) - 1  # the last threshold within the level
-        tprs[:, c] = tp[np.arange(w.shape[0]), k] / tot_v
+        tprs[:, c] = tp[np.arange(n_rep), k] / tot_v
+    return auc, tprs
+
+
+def pairwise_weighted_roc(
+    members: np.ndarray,
+    nonmembers: np.ndarray,
+    member_weights: np.ndarray,
+    nonmember_weights: np.ndarray,
+    levels: Sequence[float],
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`weighted_roc` by its definition, every member against every non-member
+    (O(R · M · N)): the slow reference of the tests and ``benchmarks/bench_stats.py``."""
+    v = np.asarray(member_weights, dtype=np.float64)
+    w = np.asarray(nonmember_weights, dtype=np.float64)
+    kernel = (members[:, None] > nonmembers[None, :]) + 0.5 * (
+        members[:, None] == nonmembers[None, :]
+    )
+    auc = np.einsum("rm,mn,rn->r", v, kernel, w) / (v.sum(1) * w.sum(1))
+    thresholds = np.r_[np.unique(nonmembers)[::-1], -np.inf]
+    fp = w @ (nonmembers[:, None] > thresholds[None, :])  # (R, K+1)
+    tp = v @ (members[:, None] > thresholds[None, :])
+    tprs = np.empty((v.shape[0], len(levels)))
+    for c, lv in enumerate(levels):
+        k = (fp <= lv * w.sum(1)[:, None] + 1e-9).sum(1) - 1
+        tprs[:, c] = tp[np.arange(v.shape[0]), k] / v.sum(1)
     return auc, tprs
 
 
