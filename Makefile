@@ -30,11 +30,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/scpdr demo
 
+# Two workers (pytest-xdist): the suite takes ~3.5 min instead of ~6 on 2 cores. --dist loadfile:
+# each test file runs whole, in order, in one worker (session fixtures are built once per worker).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 # The CUDA tests alone (tests/gpu: they skip without a GPU, so `make test` runs them too).
 test-gpu: $(STAMP)
