@@ -241,30 +241,16 @@ def render_report(
         blocks += [_Block("h3", "Verdicts")]
         blocks += [_Block("li", line) for line in lines]
     blocks += [_Block("h3", "How to read this table"), _Block("p", READING_GUIDE)]
-    if "kx" in tables:
-        blocks += [
-            _Block("h2", "k_x bounds (99th percentile)"),
-            _Block("table", table=tables["kx"]),
-        ]
-        blocks += [_Block("note", n) for n in tables["kx"].notes]
-    if "canary" in tables:
-        blocks += [
-            _Block("h2", "Canary exposure by repetitions"),
-            _Block("table", table=tables["canary"]),
-        ]
-        blocks += [_Block("note", n) for n in tables["canary"].notes]
-    if "mia" in tables:
-        blocks += [
-            _Block("h2", "Membership inference"),
-            _Block("table", table=tables["mia"]),
-        ]
-        blocks += [_Block("note", n) for n in tables["mia"].notes]
-    if "budget" in tables:
-        blocks += [
-            _Block("h2", "Extraction budget"),
-            _Block("table", table=tables["budget"]),
-        ]
-        blocks += [_Block("note", n) for n in tables["budget"].notes]
+    sections = {
+        "kx": "k_x bounds (99th percentile)",
+        "canary": "Canary exposure by repetitions",
+        "mia": "Membership inference",
+        "budget": "Extraction budget",
+    }
+    for key, heading in sections.items():  # the optional tables, each with its notes once
+        if key in tables:
+            blocks += [_Block("h2", heading), _Block("table", table=tables[key])]
+            blocks += [_Block("note", n) for n in tables[key].notes]
     blocks.append(_Block("h2", "Figures"))
     blocks += _figure_blocks(
         "kx_hist",
