@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from scpdr import bounds, methods, naf
+from scpdr.testing import correlated_logits
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = 1e-4
@@ -26,18 +27,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def _logits(seed: int, k: int, shape: tuple[int, ...], vocab: int, scale: float, spikes: int):
-    """Correlated constituents and a base (fine-tunes of one model), some tokens spiked."""
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randn(*shape, vocab, generator=g) * scale
-    x = shared + torch.randn(k, *shape, vocab, generator=g) * scale * 0.5
-    base = shared + torch.randn(*shape, vocab, generator=g) * scale * 0.5
-    if spikes:
-        idx = torch.randint(0, vocab, (k, *shape, spikes), generator=g)
-        x = x.scatter_add(-1, idx, torch.full(idx.shape, 3.0 * scale + 5.0))
-    return x, base
 
 
 def _aggregate(rule: str, x: torch.Tensor, base: torch.Tensor, m: int):
@@ -63,7 +52,7 @@ def _aggregate(rule: str, x: torch.Tensor, base: torch.Tensor, m: int):
 def test_cost_bounds_every_revealed_token_and_is_at_most_t_x(
     seed, rule, k, vocab, scale, spikes, n_revealed
 ):
-    x, base = _logits(seed, k, (4,), vocab, scale, spikes)
+    x, base = correlated_logits(seed, k, (4,), vocab, scale, spikes)
     log_r, comps = _aggregate(rule, x, base, m=min(10, vocab - 1))
     g = torch.Generator().manual_seed(seed + 1)
     revealed = torch.randint(0, vocab, (4, n_revealed), generator=g)
@@ -86,7 +75,7 @@ def test_cost_bounds_every_revealed_token_and_is_at_most_t_x(
 
 def test_cp_delta_r_t_x_is_the_max_realized_ratio_against_q():
     """For CP-Δr (K = 2) Thm. 4.4 is tight: revealing every token costs t_x exactly."""
-    x, _ = _logits(3, 2, (5,), 50, 2.0, 2)
+    x, _ = correlated_logits(3, 2, (5,), 50, 2.0, 2)
     log_r, comps = bounds.naf_components("cp-delta-r", x)
     everything = torch.arange(50).expand(5, 50)
     ch = bounds.charge("cp-delta-r", log_r, comps, everything)
@@ -94,11 +83,11 @@ def test_cp_delta_r_t_x_is_the_max_realized_ratio_against_q():
 
 
 def test_no_certificate_costs_inf_and_nothing_revealed_costs_zero():
-    x, _ = _logits(0, 1, (3,), 20, 1.0, 0)
+    x, _ = correlated_logits(0, 1, (3,), 20, 1.0, 0)
     log_r, comps = bounds.naf_components("none", x)
     ch = bounds.charge("none", log_r, comps, torch.zeros(3, 1, dtype=torch.long))
     assert torch.isinf(ch.cost).all() and torch.isinf(ch.t_x).all()
-    x, _ = _logits(0, 2, (3,), 20, 1.0, 0)
+    x, _ = correlated_logits(0, 2, (3,), 20, 1.0, 0)
     log_r, comps = bounds.naf_components("cp-delta", x)
     t_x = bounds.certify("cp-delta", log_r, comps).t_x
     nothing = torch.full((3, 2), -1)
@@ -109,7 +98,7 @@ def test_no_certificate_costs_inf_and_nothing_revealed_costs_zero():
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", ["-inf", "extreme", "bf16", "equal"])
 def test_costs_are_finite_for_hard_logits(rule, kind):
-    x, base = _logits(7, 2, (3,), 40, 3.0, 1)
+    x, base = correlated_logits(7, 2, (3,), 40, 3.0, 1)
     if kind == "-inf":
         x[0, :, :10] = -math.inf  # tokens one constituent rules out
         x[1, :, 5:15] = -math.inf
@@ -137,7 +126,7 @@ def test_costs_are_finite_for_hard_logits(rule, kind):
 def _bigram(seed: int, k: int, vocab: int, scale: float, spikes: int):
     """K random autoregressive models and a base: the next-token logits depend on the position
     and the previous token (tables ``(K, T, V, V)``), enough context for the chain rule."""
-    x, base = _logits(seed, k, (6, vocab), vocab, scale, spikes)
+    x, base = correlated_logits(seed, k, (6, vocab), vocab, scale, spikes)
     return x, base  # (K, T=6, prev=V, V), (T, prev, V)
 
 
@@ -201,7 +190,7 @@ def test_sequence_log_lr_is_at_most_sum_cost_at_most_sum_t_x(
 
 
 def test_sequence_charges_equal_the_positionwise_charge():
-    x, base = _logits(5, 2, (2, 7), 30, 2.0, 1)
+    x, base = correlated_logits(5, 2, (2, 7), 30, 2.0, 1)
     tokens = torch.randint(0, 30, (2, 7), generator=torch.Generator().manual_seed(1))
     ch = bounds.sequence_charges("scp-delta-r", x, tokens, base=base, m=5, top_logprobs=2)
     log_r, comps = bounds.naf_components("scp-delta-r", x, base=base, m=5)

@@ -14,21 +14,10 @@ from scipy.special import logsumexp
 
 from scpdr import bounds, methods, naf
 from scpdr.errors import ConfigError
+from scpdr.testing import correlated_logits
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = 5e-5
-
-
-def make_logits(seed, k, batch, vocab, scale, spikes=0):
-    """Correlated constituents and base (like fine-tunes of one model), with optional spikes."""
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randn(*batch, vocab, generator=g) * scale
-    x = shared + torch.randn(k, *batch, vocab, generator=g) * scale * 0.5
-    base = shared + torch.randn(*batch, vocab, generator=g) * scale * 0.5
-    if spikes:
-        idx = torch.randint(0, vocab, (k, *batch, spikes), generator=g)
-        x = x.scatter_add(-1, idx, torch.full(idx.shape, 3.0 * scale + 5.0))
-    return x, base
 
 
 @st.composite
@@ -40,7 +29,7 @@ def inputs(draw, *, k=None, max_vocab=300):
     scale = draw(st.sampled_from([0.1, 1.0, 3.0, 10.0]))
     spikes = draw(st.integers(0, 3))
     m = draw(st.integers(1, min(12, vocab - 1)))
-    x, base = make_logits(seed, kk, batch, vocab, scale, spikes)
+    x, base = correlated_logits(seed, kk, batch, vocab, scale, spikes)
     return x, base, m
 
 
@@ -201,7 +190,7 @@ def test_k3_k_x_is_the_max_divergence_and_bounds_every_constituent(data, method)
 
 
 def test_k_x_cp_kl_is_max_kl_and_none():
-    x, _ = make_logits(4, 2, (3,), 200, 3.0)
+    x, _ = correlated_logits(4, 2, (3,), 200, 3.0)
     r = naf.aggregate("cp-kl", x)
     lps = naf.normalize(x)
     torch.testing.assert_close(bounds.k_x("cp-kl", x), bounds.kl_divergence(r, lps).amax(0))
@@ -363,7 +352,7 @@ def test_thm_4_4_t_x_bounds_the_likelihood_ratio_to_every_constituent(data, meth
 
 
 def test_t_x_for_scp_uses_the_smoothed_q_typical_probability():
-    x, base = make_logits(1, 2, (2,), 300, 3.0, spikes=2)
+    x, base = correlated_logits(1, 2, (2,), 300, 3.0, spikes=2)
     s = naf.smoothed_rpds(x, base, 10)
     log_tq = -torch.logsumexp(s[1], -1)  # typical prob of q~
     torch.testing.assert_close(
@@ -377,7 +366,7 @@ def test_t_x_for_scp_uses_the_smoothed_q_typical_probability():
 
 
 def test_t_x_without_theorem_is_the_exact_ratio():
-    x, _ = make_logits(2, 2, (3,), 100, 2.0)
+    x, _ = correlated_logits(2, 2, (3,), 100, 2.0)
     r = naf.aggregate("cp-kl", x)
     lps = naf.normalize(x)
     torch.testing.assert_close(bounds.t_x("cp-kl", x), (r - lps).amax(-1).amax(0))
@@ -405,8 +394,8 @@ def test_thm_4_5_v_x_bounds_log_r1_over_r0(data, method):
 
 
 def test_remark_4_7_cp_delta_variant_formula():
-    x, _ = make_logits(6, 2, (2,), 150, 2.0)
-    p0 = make_logits(7, 1, (2,), 150, 2.0)[0][0]
+    x, _ = correlated_logits(6, 2, (2,), 150, 2.0)
+    p0 = correlated_logits(7, 1, (2,), 150, 2.0)[0][0]
     lq, lp0 = naf.normalize(x[1]), naf.normalize(p0)
     want = (lq - lp0).clamp_min(0) + bounds.d_m(naf.normalize(x[0]), lq).unsqueeze(-1)
     torch.testing.assert_close(bounds.v_x("cp-delta", x, p0), want, atol=1e-5, rtol=0)

@@ -16,7 +16,7 @@ from scpdr import naf
 from scpdr.errors import ConfigError, VocabularyMismatchError
 from scpdr.naf.floor import scratch_buffer
 from scpdr.naf.smoothing import top_m_indices
-from scpdr.testing import extreme_logits
+from scpdr.testing import correlated_logits, extreme_logits
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALL_METHODS = list(naf.METHODS)
@@ -108,20 +108,6 @@ def ref_batch(method: str, x: torch.Tensor, base: torch.Tensor | None, m: int):
 # input generation
 
 
-def make_logits(
-    seed: int, k: int, batch: tuple[int, ...], vocab: int, scale: float, spikes: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Correlated constituents and base (like fine-tunes of one model), with optional spikes."""
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randn(*batch, vocab, generator=g) * scale
-    x = shared + torch.randn(k, *batch, vocab, generator=g) * scale * 0.5
-    base = shared + torch.randn(*batch, vocab, generator=g) * scale * 0.5
-    if spikes:
-        idx = torch.randint(0, vocab, (k, *batch, spikes), generator=g)
-        x = x.scatter_add(-1, idx, torch.full(idx.shape, 3.0 * scale + 5.0))
-    return x, base
-
-
 @st.composite
 def inputs(draw, *, min_k: int = 2, max_k: int = 3, max_vocab: int = 300):
     seed = draw(st.integers(0, 2**31 - 1))
@@ -131,7 +117,7 @@ def inputs(draw, *, min_k: int = 2, max_k: int = 3, max_vocab: int = 300):
     scale = draw(st.sampled_from([0.1, 1.0, 3.0, 10.0]))
     spikes = draw(st.integers(0, 3))
     m = draw(st.integers(1, min(12, vocab - 1)))
-    x, base = make_logits(seed, k, batch, vocab, scale, spikes)
+    x, base = correlated_logits(seed, k, batch, vocab, scale, spikes)
     return x, base, m
 
 
@@ -209,7 +195,7 @@ def test_methods_match_float64_reference(data, method):
 
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_methods_match_reference_at_real_vocab_size(method):
-    x, base = make_logits(7, 2, (2,), 49152, 3.0, spikes=3)
+    x, base = correlated_logits(7, 2, (2,), 49152, 3.0, spikes=3)
     out = naf.aggregate(method, x, base=base, m=10)
     want, gap = ref_batch(method, x, base, 10)
     assert gap > 1e-4
@@ -221,7 +207,7 @@ def test_methods_match_reference_at_real_vocab_size(method):
 def test_scp_delta_r_with_a_shared_union_and_constant_base(constant_base):
     """SCP-Δr computes only the union U of kept tokens exactly: with identical constituents every
     kept token appears K times in U (with a per-row and a constant base)."""
-    x, base = make_logits(11, 3, (2,), 2000, 3.0, spikes=2)
+    x, base = correlated_logits(11, 3, (2,), 2000, 3.0, spikes=2)
     x[1] = x[0]
     x[2] = x[0]
     if constant_base:
@@ -234,7 +220,7 @@ def test_scp_delta_r_with_a_shared_union_and_constant_base(constant_base):
 
 
 def test_scp_delta_r_at_50k_vocab_not_divisible_by_64():
-    x, base = make_logits(3, 3, (1,), 50000, 2.0, spikes=2)
+    x, base = correlated_logits(3, 3, (1,), 50000, 2.0, spikes=2)
     out = naf.aggregate("scp-delta-r", x, base=base, m=10)
     want, gap = ref_batch("scp-delta-r", x, base, 10)
     assert gap > 1e-4
@@ -281,7 +267,7 @@ def test_scp_delta_r_fast_path_equals_cp_delta_r_of_smoothed_rpds(data):
 
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_aggregate_with_components_is_aggregate_plus_the_naf_distributions(method, monkeypatch):
-    x, base = make_logits(12, 3, (2,), 4096, 3.0, spikes=2)
+    x, base = correlated_logits(12, 3, (2,), 4096, 3.0, spikes=2)
     log_r, comps = naf.aggregate_with_components(method, x, base=base, m=10)
     # SCP-Δr's fused CPU kernel agrees to float rounding; the torch path is bit-identical
     torch.testing.assert_close(log_r, naf.aggregate(method, x, base=base, m=10), atol=2e-5, rtol=0)
@@ -295,7 +281,7 @@ def test_aggregate_with_components_is_aggregate_plus_the_naf_distributions(metho
 def test_scp_delta_r_chunking_gives_the_same_rows(base_shape):
     """The torch path works through the batch in chunks (SCP_CHUNK_ELEMENTS); every row is
     computed the same way whatever the chunking, with and without the components."""
-    x, base = make_logits(13, 2, (3, 2), 512, 3.0, spikes=2)
+    x, base = correlated_logits(13, 2, (3, 2), 512, 3.0, spikes=2)
     base = {"full": base, "vector": base[0, 0], "one-row": base[0, :1]}[base_shape]
     whole = naf.scp_delta_r_torch(x, base=base, m=7)
     for rows in (1, 4):
@@ -306,7 +292,7 @@ def test_scp_delta_r_chunking_gives_the_same_rows(base_shape):
     np.testing.assert_allclose(whole.double().numpy(), want, atol=5e-5, rtol=0)
     # the components' path: more rows than one default chunk, against rows computed alone
     rows = naf.SCP_CHUNK_ELEMENTS // (2 * 512) + 3
-    xb, bb = make_logits(14, 2, (rows,), 512, 3.0)
+    xb, bb = correlated_logits(14, 2, (rows,), 512, 3.0)
     bb = {"full": bb, "vector": bb[0], "one-row": bb[:1]}[base_shape]
     log_r, comps = naf.aggregate_with_components("scp-delta-r", xb, base=bb, m=7)
     for sl in (slice(0, 2), slice(rows - 2, rows)):
@@ -317,14 +303,14 @@ def test_scp_delta_r_chunking_gives_the_same_rows(base_shape):
 
 
 def test_none_returns_constituent_zero_and_accepts_k1():
-    x, _ = make_logits(0, 2, (3,), 50, 2.0)
+    x, _ = correlated_logits(0, 2, (3,), 50, 2.0)
     out = naf.aggregate("none", x[:1])
     torch.testing.assert_close(out, naf.normalize(x[0]))
     torch.testing.assert_close(naf.aggregate("none", x), out)
 
 
 def test_constant_base_vector_equals_expanded_base():
-    x, base = make_logits(1, 2, (4,), 200, 3.0)
+    x, base = correlated_logits(1, 2, (4,), 200, 3.0)
     vec = base[0]
     for method in ("scp-delta-r", "scp-delta"):
         a = naf.aggregate(method, x, base=vec, m=5)
@@ -333,7 +319,7 @@ def test_constant_base_vector_equals_expanded_base():
 
 
 def test_list_of_tensors_equals_stacked():
-    x, base = make_logits(2, 3, (2,), 80, 1.0)
+    x, base = correlated_logits(2, 3, (2,), 80, 1.0)
     for method in ALL_METHODS:
         torch.testing.assert_close(
             naf.aggregate(method, list(x), base=base, m=4),
@@ -342,7 +328,7 @@ def test_list_of_tensors_equals_stacked():
 
 
 def test_batch_shapes_none_and_two_dims():
-    x, base = make_logits(4, 2, (2, 3), 64, 2.0)
+    x, base = correlated_logits(4, 2, (2, 3), 64, 2.0)
     full = naf.aggregate("scp-delta-r", x, base=base, m=3)
     assert full.shape == (2, 3, 64)
     one = naf.aggregate("scp-delta-r", x[:, 1, 2], base=base[1, 2], m=3)
@@ -457,7 +443,7 @@ def test_extreme_inputs_give_finite_normalized_output(method, dtype):
 
 
 def test_bf16_input_is_computed_in_float32():
-    x, base = make_logits(9, 2, (2,), 300, 3.0)
+    x, base = correlated_logits(9, 2, (2,), 300, 3.0)
     xb, bb = x.bfloat16(), base.bfloat16()
     for method in ALL_METHODS:
         got = naf.aggregate(method, xb, base=bb, m=5)
@@ -467,7 +453,7 @@ def test_bf16_input_is_computed_in_float32():
 
 
 def test_inputs_are_never_modified_and_outputs_never_alias_them():
-    x, base = make_logits(11, 2, (2,), 4096, 3.0, spikes=2)
+    x, base = correlated_logits(11, 2, (2,), 4096, 3.0, spikes=2)
     x_ref, base_ref = x.clone(), base.clone()
     path = torch.tensor([[-1.0, -2.0], [-3.0, -0.5]])
     path_ref = path.clone()
@@ -489,8 +475,8 @@ def test_inputs_are_never_modified_and_outputs_never_alias_them():
 
 def test_outputs_survive_later_calls_that_reuse_the_scratch_buffer():
     """Intermediates live in a cached per-thread buffer; outputs must never be views of it."""
-    x1, b1 = make_logits(21, 2, (3,), 4096, 3.0, spikes=2)
-    x2, b2 = make_logits(22, 2, (3,), 4096, 3.0, spikes=2)
+    x1, b1 = correlated_logits(21, 2, (3,), 4096, 3.0, spikes=2)
+    x2, b2 = correlated_logits(22, 2, (3,), 4096, 3.0, spikes=2)
     firsts = {m: naf.aggregate(m, x1, base=b1, m=10) for m in ALL_METHODS}
     kept = {m: t.clone() for m, t in firsts.items()}
     extra = naf.aggregate_with_components("scp-delta-r", x1, base=b1, m=10)
@@ -509,7 +495,7 @@ def test_outputs_survive_later_calls_that_reuse_the_scratch_buffer():
 
 
 def test_inference_mode_grad_mode_and_threads():
-    x, base = make_logits(23, 2, (2,), 2048, 3.0, spikes=1)
+    x, base = correlated_logits(23, 2, (2,), 2048, 3.0, spikes=1)
     want = {m: naf.aggregate(m, x, base=base, m=10) for m in ALL_METHODS}
     with torch.inference_mode():
         for m in ALL_METHODS:  # scratch buffer used inside inference mode ...
@@ -523,7 +509,7 @@ def test_inference_mode_grad_mode_and_threads():
     results: dict[int, torch.Tensor] = {}
 
     def work(i: int) -> None:
-        xi, bi = make_logits(30 + i, 2, (2,), 2048, 3.0)
+        xi, bi = correlated_logits(30 + i, 2, (2,), 2048, 3.0)
         for _ in range(20):
             results[i] = naf.aggregate("scp-delta-r", xi, base=bi, m=10)
 
@@ -533,7 +519,7 @@ def test_inference_mode_grad_mode_and_threads():
     for t in threads:
         t.join()
     for i in range(3):
-        xi, bi = make_logits(30 + i, 2, (2,), 2048, 3.0)
+        xi, bi = correlated_logits(30 + i, 2, (2,), 2048, 3.0)
         torch.testing.assert_close(results[i], naf.aggregate("scp-delta-r", xi, base=bi, m=10))
 
 
@@ -560,7 +546,7 @@ def ref_cp_fuse(lp: np.ndarray, path: np.ndarray, grid) -> tuple[np.ndarray, flo
     first_step=st.booleans(),
 )
 def test_cp_fuse_step_matches_brute_force(seed, batch, vocab, scale, first_step):
-    x, _ = make_logits(seed, 2, (batch,), vocab, scale)
+    x, _ = correlated_logits(seed, 2, (batch,), vocab, scale)
     g = torch.Generator().manual_seed(seed + 1)
     path = torch.zeros(2, batch) if first_step else -torch.rand(2, batch, generator=g) * 20
     log_r, w = naf.cp_fuse_step(x, 0.0 if first_step else path)
@@ -580,7 +566,7 @@ def test_cp_fuse_step_matches_brute_force(seed, batch, vocab, scale, first_step)
 def test_cp_fuse_default_grid_and_chunking():
     assert len(naf.CP_FUSE_GRID) == 120 and (0.0, 0.0) not in naf.CP_FUSE_GRID
     assert {a for a, _ in naf.CP_FUSE_GRID} == set(naf.CP_FUSE_WEIGHTS)
-    x, _ = make_logits(3, 2, (4,), 500, 3.0)
+    x, _ = correlated_logits(3, 2, (4,), 500, 3.0)
     path = -torch.rand(2, 4) * 5
     full = naf.cp_fuse_reference(x, path)
     chunked = naf.cp_fuse_reference(x, path, chunk_elements=7 * 4 * 500)  # 7 points a chunk
@@ -590,14 +576,14 @@ def test_cp_fuse_default_grid_and_chunking():
 
 def test_cp_fuse_path_term_favours_the_model_behind_on_the_path():
     """A constituent far less likely on the path so far gets more weight at this step."""
-    x, _ = make_logits(8, 2, (), 100, 3.0)
+    x, _ = correlated_logits(8, 2, (), 100, 3.0)
     _, w0 = naf.cp_fuse_step(x, torch.tensor([0.0, -30.0]))
     _, w1 = naf.cp_fuse_step(x, torch.tensor([-30.0, 0.0]))
     assert float(w0[1] - w0[0]) > 0 and float(w1[0] - w1[1]) > 0
 
 
 def test_cp_fuse_custom_grid():
-    x, _ = make_logits(2, 2, (2,), 60, 1.0)
+    x, _ = correlated_logits(2, 2, (2,), 60, 1.0)
     log_r, w = naf.cp_fuse_step(x, 0.0, grid=[(1.0, 0.0)])
     torch.testing.assert_close(w, torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
     torch.testing.assert_close(log_r, naf.normalize(x[0]), atol=1e-6, rtol=0)
@@ -686,7 +672,7 @@ def test_cp_fuse_statistics_choose_the_reference_weights(
     than float32 rounding, and serves the same distribution for them."""
     from scpdr import kernels
 
-    x, _ = make_logits(seed, 2, (batch,), vocab, scale)
+    x, _ = correlated_logits(seed, 2, (batch,), vocab, scale)
     g = torch.Generator().manual_seed(seed + 1)
     path = torch.zeros(2, batch) if first_step else -torch.rand(2, batch, generator=g) * 20
     with kernels.force("cp_fuse", "kernel"):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "HELD_OUT_PROMPTS",
+    "correlated_logits",
     "extreme_logits",
     "finetune_on_text",
     "make_tiny_bundle",
@@ -36,6 +37,25 @@ __all__ = [
     "tiny_model",
     "tiny_tokenizer",
 ]
+
+
+def correlated_logits(
+    seed: int, k: int, batch: tuple[int, ...], vocab: int, scale: float, spikes: int = 0
+) -> tuple[Any, Any]:
+    """``(x (k, *batch, vocab), base (*batch, vocab))`` float32 logits of constituents and a base
+    that are correlated like fine-tunes of one model (a shared part plus half as much of their
+    own), with ``spikes`` tokens per row of each constituent raised by ``3·scale + 5`` (a
+    memorized token): the property tests' inputs for the NAF rules and their bounds."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(*batch, vocab, generator=g) * scale
+    x = shared + torch.randn(k, *batch, vocab, generator=g) * scale * 0.5
+    base = shared + torch.randn(*batch, vocab, generator=g) * scale * 0.5
+    if spikes:
+        idx = torch.randint(0, vocab, (k, *batch, spikes), generator=g)
+        x = x.scatter_add(-1, idx, torch.full(idx.shape, 3.0 * scale + 5.0))
+    return x, base
 
 
 def extreme_logits(seed: int = 5) -> tuple[Any, Any]:
