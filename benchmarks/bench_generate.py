@@ -8,7 +8,7 @@ every configuration sees the same machine load:
   HF ``generate`` tokens/s of one model, same prompts, B in {1, 8};
 - teacher-forced ``score`` tokens/s (SCP-Δr-b) divided by one model's forward tokens/s.
 
-Goals (issue 3): scp-delta-r-b >= 0.30 (the memory-bound limit with three forwards is 1/3),
+Goals: scp-delta-r-b >= 0.30 (the memory-bound limit with three forwards is 1/3),
 scp-delta-r-c >= 0.45, cp-fuse >= 0.28, score >= 0.30.
 
     python benchmarks/bench_generate.py [--quick] [--threads N]

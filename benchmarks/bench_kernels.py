@@ -1,5 +1,5 @@
 """The C kernels alone against torch, for each ISA build, and the register tiles the packed GEMM
-could use (issue 14).
+could use.
 
 - ``gemm``: one layer of the embedded SmolLM2-135M (q, k, v, o, gate, up, down), four copies
   (~56 MB: more than the L3, so that the weights stream from memory as in decoding), at 1, 3, 8

@@ -1,4 +1,4 @@
-"""SCP-Δr-b over LoRA constituents (shared-base fast path, issue 8) vs a single model.
+"""SCP-Δr-b over LoRA constituents (shared-base fast path) vs a single model.
 
 On the embedded SmolLM2-135M, two random rank-64 LoRA adapters (α 32, paper App. E) on every
 projection module (q, k, v, o, gate, up, down; non-zero B so the deltas matter) are bundled
@@ -30,7 +30,7 @@ Times are this thread's CPU time by default (``--clock cpu`` with one torch thre
 the work runs on it): on a shared 2-core machine wall-clock ratios swung from 0.72 to 1.0 between
 two quick runs at load 4-5, CPU-time ones do not. ``--threads N --clock wall`` measures wall time.
 
-Goals (issues 8, 14): speed ratios >= 0.75, memory ratio <= 1.25 (every ISA; where one cannot
+Goals: speed ratios >= 0.75, memory ratio <= 1.25 (every ISA; where one cannot
 reach them, its path must still be no slower than torch's).
 
     python benchmarks/bench_lora.py [--quick] [--threads N] [--only speed|memory] [--targets ...]

@@ -20,7 +20,7 @@ runs too) and timed in the same rounds: ``ratios`` are the native build's (what
 ``naf.aggregate`` uses here, after its kernel/torch choice), and ``isa`` holds every build's
 ratios for the kernel methods, its instruction set and its kernel/torch decisions.
 
-Goals (issues 2, 14): scp-delta-r <= 0.01 at B = 1 and <= 0.02 at B = 8; cp-fuse <= 0.10 at B = 8.
+Goals: scp-delta-r <= 0.01 at B = 1 and <= 0.02 at B = 8; cp-fuse <= 0.10 at B = 8.
 
     python benchmarks/bench_naf.py [--quick] [--clock cpu|wall] [--threads N] [--targets ...]
 

@@ -1,8 +1,9 @@
 """scpdr: SCP-Δr and the NAF methods it is compared with, the bounds that certify them, and the
 attacks that test them.
 
-The paper (``shared/paper/scp_dr.tex``) is the source of truth for every formula; each function
-cites the definition/theorem it implements.
+The paper ("Provably Protecting Fine-Tuned LLMs from Training Data Extraction while Preserving
+Utility") is the source of truth for every formula; each function cites the definition/theorem
+it implements.
 
 Heavy modules (models, runtime, server) are imported lazily so that ``import scpdr`` and
 ``scpdr --help`` stay fast and have no side effects.

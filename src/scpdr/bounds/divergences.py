@@ -1,7 +1,8 @@
 """Divergences between next-token distributions: pure functions of log-probability tensors.
 
-Paper numbers (``shared/paper/scp_dr.tex``): Def. 2.1 (``def:naf``: the max divergence a k-NAF
-bounds), Thm. 2.3 (``thm:cp_d``: TV and ``D_m``), Def. 2.5 (RPD and typical probability),
+Paper numbers (the paper: "Provably Protecting Fine-Tuned LLMs from Training Data Extraction
+while Preserving Utility"): Def. 2.1 (``def:naf``: the max divergence a k-NAF bounds),
+Thm. 2.3 (``thm:cp_d``: TV and ``D_m``), Def. 2.5 (RPD and typical probability),
 Thm. 2.7 (``thm:cp_dr``: ``D_r`` and the relative max divergence); KL is CP-ΔKL's divergence
 (§2.5).
 

@@ -21,7 +21,7 @@
    without spills, with GCC 12's aarch64 cross compiler).
    Anything else builds a generic variant that scpdr_gemm_isa() names "generic": the Python
    side does not use it (torch's matmuls instead). A 6 x 64 tile on AVX2 would need 48
-   accumulators for 16 registers and spill: 5-7x slower than torch (issue 14).
+   accumulators for 16 registers and spill: 5-7x slower than torch.
 
    Written with GCC vector extensions. Built with -fopenmp where the compiler has it: the
    library then needs libgomp.so.1, which resolves to the copy torch already loaded, so the

@@ -17,7 +17,7 @@
    The output is normalized in closed form from the base's floored mass and the m·K corrected
    entries, Z = Z_base - sum_U e^yb + sum_U e^(yb+g), unless most of the base's mass lies on U
    and g is very negative there: the difference then cancels (with K = 2, V = 12, m = 11 and
-   logits of ±26 it lost every digit, issue 14), and Z is summed over the output row instead. */
+   logits of ±26 it lost every digit), and Z is summed over the output row instead. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>

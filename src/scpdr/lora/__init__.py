@@ -1,4 +1,4 @@
-"""Shared-base fast path for LoRA constituents (issue 8; paper App. E, Table 6: LoRA fine-tunes).
+"""Shared-base fast path for LoRA constituents (paper App. E, Table 6: LoRA fine-tunes).
 
 When every model that :class:`scpdr.runtime.ProtectedLM` runs is a PEFT LoRA adapter over one
 base model (or that base model itself, e.g. the base of SCP-Δr-b, Alg. 1), the models share all

@@ -1,5 +1,5 @@
-"""The layers of the shared-base LoRA fast path (:mod:`scpdr.lora`, issue 8; paper App. E)
-and the choice of their matmul kernel (issue 14).
+"""The layers of the shared-base LoRA fast path (:mod:`scpdr.lora`; paper App. E)
+and the choice of their matmul kernel (measured per instruction set).
 
 Every ``nn.Linear`` of the shared base becomes a :class:`StackedLoraLinear`: the base matmul of
 all stacked rows plus the LoRA deltas of the groups with adapters, either

@@ -5,9 +5,10 @@ RPDs), :mod:`~scpdr.naf.smoothing` (S_m and its kept set), :mod:`~scpdr.naf.rule
 :data:`METHODS`, :func:`aggregate`), :mod:`~scpdr.naf.cp_fuse` (CP-Fuse). Every public name is
 importable from ``scpdr.naf``.
 
-The paper (``shared/paper/scp_dr.tex``) is the source of truth. Numbers below are those of the
-compiled paper, where theorems, propositions, lemmas, definitions and remarks share one counter
-per section; the LaTeX label is given as well so that a reader of the ``.tex`` file finds them:
+The paper ("Provably Protecting Fine-Tuned LLMs from Training Data Extraction while Preserving
+Utility") is the source of truth. Numbers below are those of the compiled paper, where
+theorems, propositions, lemmas, definitions and remarks share one counter per section; the
+LaTeX label is given as well so that a reader of the ``.tex`` file finds them:
 
 - Def. 2.2 (CP-Δ), Thm. 2.3 (``thm:cp_d``, CP-Δ bound),
 - Def. 2.5 (RPD), Def. 2.6 (CP-Δr), Thm. 2.7 (``thm:cp_dr``, CP-Δr bound),

@@ -1,6 +1,6 @@
 """The ``naf`` object of a response choice: its tokens' certificate values as JSON carries them.
 
-Each served token y drawn from r(·|x) has two per-token bounds (``shared/paper/scp_dr.tex``):
+Each served token y drawn from r(·|x) has two per-token bounds (the paper's):
 ``k_x``, the NAF bound of Definition 2.1 under the divergence of the method's theorem (max
 divergence for CP-Δ, Theorem 2.3; relative max divergence for CP-Δr, Theorem 2.7, and for SCP-Δr
 on the smoothed RPDs, Algorithm 1), and ``t_x``, the LiRA bound of Theorem 4.4,

@@ -5,7 +5,7 @@ Requests are validated here, before anything reaches the model: a malformed requ
 400 with the OpenAI error shape (:mod:`scpdr.serve.errors`), never a 500. A request's
 ``to_sampling_params`` builds the runtime's :class:`~scpdr.runtime.sampling.SamplingParams` of
 each of its sequences. Everything a response can carry is the *aggregate* distribution r(·|x) of the protected
-model (the paper's black-box TDE game, Definition 4.2 of ``shared/paper/scp_dr.tex``); no field
+model (the paper's black-box TDE game, Definition 4.2 of the paper); no field
 exists for a constituent's distribution.
 
 Each response choice carries the extension object ``naf`` (:class:`NafCertificate`): the NAF bound
