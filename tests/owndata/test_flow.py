@@ -16,6 +16,7 @@ import pytest
 from ticket_data import tickets, write_jsonl
 
 from scpdr import methods
+from scpdr.attacks.secrets import COUNTERFACTUAL_METRICS
 from scpdr.cli import main
 from scpdr.data import load_partitions, secret_occurrences
 from scpdr.export import verify_export
@@ -62,15 +63,52 @@ def test_eval_prints_the_table_and_writes_secret_rows_and_risk_lines(flow, capsy
     secrets = [r for r in rows if r["attack"] == "secrets"]
     for method in (NO_CP, SCP_B):
         got = {r["metric"]: r for r in secrets if r["method"] == method}
-        assert set(got) == {"extracted", "fer"}
+        assert set(got) == {"extracted", "fer", *COUNTERFACTUAL_METRICS}
         assert all(r["ci_low"] <= r["value"] <= r["ci_high"] for r in got.values())
+        assert got["fer_vs_counterfactual"]["test"] == "mcnemar-exact"
+        assert 0.0 <= got["fer_vs_counterfactual"]["p_value"] <= 1.0
+        assert got["memorized"]["n"] == got["fer"]["n"]
+    # membership is shown, with its No CP-val row and what the non-members can resolve
+    assert "Membership inference" in out
+    mia = [
+        r for r in rows if r["attack"] == "lira" and r["metric"] == "auc" and r["method"] == NO_CP
+    ]
+    non, mem = mia[0]["n_nonmembers"], mia[0]["n_members"]
+    power = f"members {mem} / non-members {non}; the smallest FPR {non} non-members can resolve"
+    report_md = (flow["E"] / "report.md").read_text()
+    assert power in out and power in report_md and "## Membership inference" in report_md
+    assert non < 100 and "TPR@1% cannot be resolved" in report_md
+    assert "memorized" in out and "guessable" in out  # the paragraphs tell the two apart
     lines = [json.loads(x) for x in (flow["E"] / "risk.jsonl").read_text().splitlines()]
     assert lines and all({"record", "partition", "method", "extracted"} <= set(x) for x in lines)
+    assert all(isinstance(x["counterfactual_whole"], bool) for x in lines)
+    assert all(0.0 <= x["counterfactual_extracted"] <= 1.0 for x in lines)
+    assert all(0 <= x["memorized"] <= x["secrets_whole"] for x in lines)
+    assert "Guessable" in out
     assert {x["method"] for x in lines} == {NO_CP, SCP_B}
     assert all(x["ref"] is not None for x in lines)  # the ref MIA score vs the base model
     secrets_text = {s for r in flow["rows"] for s in r["secrets"]}
     report = (flow["E"] / "risk.jsonl").read_text() + (flow["E"] / "report.md").read_text()
     assert not any(s in report for s in secrets_text)
+
+
+def test_eval_shows_membership_with_its_no_cp_val_row_and_power(flow, capsys):
+    # 2 members and 2 non-members leave validation records no model saw: the null row
+    out_dir = flow["root"] / "mia"
+    argv = ["eval", str(flow["B"]), "--out", str(out_dir), "--methods", f"{NO_CP},{SCP_B}"]
+    assert main([*argv, "--attacks", "mia", "--lira-n", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((out_dir / "results.json").read_text())
+    assert any(r["method"] == "none-val" and r["attack"] == "loss" for r in rows)
+    report_md = (out_dir / "report.md").read_text()
+    table = report_md.split("## Membership inference")[1].split("##")[0]
+    assert "| No CP-val |" in table and "| SCP-Δr-b |" in table and "| No CP |" in table
+    assert "LOSS" in table and "Ref (base)" in table and "LiRA (p0)" in table
+    power = "members 2 / non-members 2; the smallest FPR 2 non-members can resolve is 1/2"
+    assert power in out and power in table
+    assert "Warning: fewer than 100 non-members" in table
+    console = out.split("Membership inference")[1]
+    assert "No CP-val" in console.split("ROC AUC and TPR")[0]  # a row of the printed table
 
 
 def test_an_m_sweep_runs_the_smoothed_methods_at_each_m(flow, capsys):

@@ -159,6 +159,7 @@ class BundleScorers(Mapping[str, Scorer]):
         self.tokenizer = self.store.tokenizer(self._ref(self.manifest.tokenizer))
         self._built: dict[str, Scorer] = {}
         self._refs: dict[str, Scorer | None] = {}
+        self._unseen: dict[int, list[Scorer]] = {}
 
     # -- Mapping ---------------------------------------------------------------------------
     def __getitem__(self, name: str) -> Scorer:
@@ -233,6 +234,19 @@ class BundleScorers(Mapping[str, Scorer]):
             cons = self.manifest.constituents
             self._refs["q"] = self._single(self._ref(cons[1])) if len(cons) > 1 else None
         return self._refs["q"]
+
+    def unseen(self, partition: int | None) -> list[Scorer]:
+        """The constituents trained without ``partition`` (constituent i is trained on partition
+        i), each alone: the secrets attack's per-record chance level
+        (:func:`scpdr.attacks.secrets.counterfactual_extraction`); evaluation only, never served.
+        ``partition`` None (unknown): every constituent but 0, the No CP model's."""
+        cons = self.manifest.constituents
+        skip = 0 if partition is None else int(partition)
+        if skip not in self._unseen:
+            self._unseen[skip] = [
+                self._single(self._ref(r)) for i, r in enumerate(cons) if i != skip
+            ]
+        return self._unseen[skip]
 
     def reference_of(self, name: str) -> Scorer | None:
         """LiRA's reference scorer for method ``name`` (trained without the members).

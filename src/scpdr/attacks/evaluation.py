@@ -12,6 +12,11 @@ bundle, data and options give the same rows (``tests/test_experiment.py`` checks
   never saw — validation names, never-inserted canaries, validation texts for TTE; for the MIA
   suite, null examples no model saw attacked as if they were members).
 
+The secrets attack also measures each secret's chance level: the same query to the constituent(s)
+that never saw the record (``counterfactual``; a bundle's :meth:`BundleScorers.unseen`), once,
+attached to every method's :class:`~scpdr.attacks.secrets.SecretsResult` so that its rows carry
+the paired tests against it.
+
 Every attack reads the model under the TDE game's protocol (Def. 4.2, ``docs/attacks.md``): each
 prefix a fresh request, a canary's secret the continuation of its prefix
 (:func:`scpdr.attacks.scorer.score_requests`).
@@ -49,7 +54,7 @@ from scpdr.attacks.pii import pii_extraction
 from scpdr.attacks.results import NO_CP_VAL, ResultRow
 from scpdr.attacks.risk import record_ref_scores
 from scpdr.attacks.scorer import Scorer, scorer_name
-from scpdr.attacks.secrets import SecretsResult, secret_extraction
+from scpdr.attacks.secrets import SecretsResult, counterfactual_extraction, secret_extraction
 from scpdr.attacks.tte import token_by_token_extraction
 from scpdr.attacks.utility import utility
 from scpdr.errors import ConfigError
@@ -92,7 +97,8 @@ class EvalOptions:
     ``mia_n`` members and as many non-members from ``mia_population`` (``lira_n`` /
     ``lira_max_tokens``: older names of ``mia_n`` / ``mia_max_tokens``, used when those are
     unset). ``*_max_tokens`` truncate each example. ``seed`` also seeds the canary exposure's
-    reference sample and every bootstrap."""
+    reference sample and every bootstrap. ``secrets_counterfactual``: measure each secret's
+    chance level under the constituents that never saw its record (when they are known)."""
 
     n_reference: int = 10_000
     enumerate_limit: int = 1 << 14
@@ -112,6 +118,7 @@ class EvalOptions:
     utility_max_tokens: int | None = 256
     secrets_n: int | None = None
     secrets_val_n: int | None = None
+    secrets_counterfactual: bool = True
     seed: int = 0
 
 
@@ -232,13 +239,17 @@ def run_eval(
     reference: Callable[[str], Scorer | None] | Mapping[str, Scorer] | None = None,
     q_scorer: Scorer | None = None,
     base: Scorer | None = None,
+    counterfactual: Callable[[int | None], Sequence[Scorer]] | Sequence[Scorer] | None = None,
 ) -> EvalReport:
     """Run ``attacks`` (names of :data:`ATTACKS`) on every scorer; rows are named by the keys of
     ``scorers``. ``reference(method)`` (or a mapping) gives LiRA's reference scorer for a method
     (trained without the members); ``base`` is the ``ref`` attack's reference (the base model);
     ``q_scorer`` enables TTE's "q fails" rows; ``base`` also gives the secrets attack each
-    record's ``ref`` score. For a :class:`BundleScorers` all three default to
-    its own (:meth:`BundleScorers.reference_of`, ``base``, ``q``). An attack without its data
+    record's ``ref`` score. ``counterfactual(partition)`` (or one list for every partition)
+    gives the models that never saw a secret's record (the secrets attack's per-record chance
+    level, :func:`~scpdr.attacks.secrets.counterfactual_extraction`). For a
+    :class:`BundleScorers` all four default to its own (:meth:`BundleScorers.reference_of`,
+    ``base``, ``q``, :meth:`BundleScorers.unseen`). An attack without its data
     (:func:`missing_data`) is skipped with a log line."""
     opts = options or EvalOptions()
     attacks = check_attacks(attacks)
@@ -246,6 +257,9 @@ def run_eval(
         reference = reference if reference is not None else scorers.reference_of
         base = base if base is not None else scorers.base
         q_scorer = q_scorer if q_scorer is not None else (scorers.q if opts.tte_q_fails else None)
+        counterfactual = counterfactual if counterfactual is not None else scorers.unseen
+    if not opts.secrets_counterfactual:
+        counterfactual = None
     ref_of: Callable[[str], Scorer | None]
     if reference is None:
         ref_of = lambda _m: None  # noqa: E731
@@ -328,9 +342,34 @@ def run_eval(
         res = utility(scorer, val, max_tokens=opts.utility_max_tokens, batch_size=opts.batch_size)
         return res.rows(method=name, corpus=corpus)
 
+    chance: list[SecretsResult | None] = []  # the counterfactual, measured once
+
+    def secrets_chance(targets: list[Any]) -> SecretsResult | None:
+        if not chance and counterfactual is not None:
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                cf = counterfactual_extraction(counterfactual, targets, batch_size=opts.batch_size)
+            except ValueError as e:  # no model without the records (one constituent)
+                log.warning("secrets: no per-record chance level: %s", e)
+                cf = None
+            chance.append(cf)
+            n, dt = len(targets), time.perf_counter() - t0
+            rep.timings.append(
+                {
+                    "method": "counterfactual",
+                    "attack": "secrets",
+                    "seconds": dt,
+                    "cpu_seconds": time.process_time() - c0,
+                    "examples": n,
+                    "seconds_per_100": 100.0 * dt / n if n else None,
+                }
+            )
+        return chance[0] if chance else None
+
     def secrets_rows(scorer: Scorer, targets: list[Any], name: str) -> list[ResultRow]:
         res = secret_extraction(scorer, targets, batch_size=opts.batch_size)
         if name != NO_CP_VAL:  # the per-record risk report (attacks/risk.py)
+            res.counterfactual = secrets_chance(targets)
             if base is not None:
                 texts = {t.record: t.text for t in targets}
                 res.ref = record_ref_scores(
@@ -361,6 +400,8 @@ def run_eval(
                     log.info("%s: %s, skipped", attack, missing)
                     continue
                 fn = rows_of[attack]
+                if attack == "secrets":
+                    secrets_chance(examples)  # once, timed on its own
                 timed(method, attack, len(examples), partial(fn, scorer, examples, method))
                 if method == "none" and none_val:  # No CP on examples no constituent saw
                     timed(

@@ -73,6 +73,10 @@ def _risk_key(d: Mapping[str, Any] | None) -> tuple[float, int, float]:
     return (d["extracted"], int(d["whole"]), ref if ref is not None else -math.inf)
 
 
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 def risk_lines(results: Mapping[str, SecretsResult]) -> list[dict[str, Any]]:
     """The risk report's lines from each method's :class:`SecretsResult` (with its ``ref``
     scores): one per record and method, records sorted by their risk under No CP (the first
@@ -105,6 +109,9 @@ def risk_lines(results: Mapping[str, SecretsResult]) -> list[dict[str, Any]]:
                     "secrets": d["secrets"],
                     "secrets_whole": d["secrets_whole"],
                     "ref": None if d["ref"] is None else round(d["ref"], 4),
+                    "counterfactual_extracted": _rounded(d.get("counterfactual_extracted")),
+                    "counterfactual_whole": d.get("counterfactual_whole"),
+                    "memorized": d.get("memorized"),
                 }
             )
     return lines

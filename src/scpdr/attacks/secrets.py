@@ -14,27 +14,55 @@ Whitespace between the prefix and the secret is left to the model (a prompt endi
 tokenizes unlike the training text), and the continuation's leading whitespace is ignored.
 Result rows carry bootstrap 95% CIs (:func:`scpdr.attacks.stats.bootstrap_ci`); run on the
 validation records' secrets (never trained on) they are the No CP-val baseline.
+
+**The per-record chance level** (:func:`counterfactual_extraction`): the same query, decoded the
+same way, sent to the constituent(s) trained without the record's partition (evaluation only,
+never served; with K > 2 the most any of them reproduces). A secret that such a model produces
+too is *guessable* (derived from the name before it, a common format, public knowledge); one
+that a method produces whole and the counterfactual does not came out because it was memorized.
+With a counterfactual attached (:attr:`SecretsResult.counterfactual`) the rows add ``guessable``,
+``memorized`` and the paired tests ``fer_vs_counterfactual`` (McNemar's exact test) and
+``extracted_vs_counterfactual`` (paired bootstrap) on the same secrets
+(:mod:`scpdr.attacks.paired`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from scpdr.attacks.paired import mcnemar_exact, paired_bootstrap
 from scpdr.attacks.results import ResultRow
 from scpdr.attacks.scorer import Scorer, encode, scorer_name
 from scpdr.attacks.stats import bootstrap_ci
 
-__all__ = ["SECRETS_ATTACK", "SecretTarget", "SecretsResult", "secret_extraction", "secret_targets"]
+__all__ = [
+    "COUNTERFACTUAL_METRICS",
+    "SECRETS_ATTACK",
+    "SecretTarget",
+    "SecretsResult",
+    "counterfactual_extraction",
+    "secret_extraction",
+    "secret_targets",
+]
 
 log = logging.getLogger(__name__)
 
 #: The attack's name in result rows.
 SECRETS_ATTACK = "secrets"
+#: The rows a counterfactual adds: the share of secrets it produces whole (``guessable``), the
+#: share a method produces whole and it does not (``memorized``), and the paired tests of the
+#: method against it (whole secrets: McNemar exact; extracted fraction: paired bootstrap).
+COUNTERFACTUAL_METRICS: tuple[str, ...] = (
+    "guessable",
+    "memorized",
+    "fer_vs_counterfactual",
+    "extracted_vs_counterfactual",
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +101,9 @@ def secret_targets(records: Sequence[Any], *, partition: int | None = None) -> l
 class SecretsResult:
     """Per target: ``extracted`` (fraction of characters, ``float[N]``), ``whole`` (``bool[N]``)
     and the generated ``texts``; ``ref`` maps record ids to the ``ref`` MIA score of the record
-    (filled by the evaluation pipeline when the bundle has a base model)."""
+    (filled by the evaluation pipeline when the bundle has a base model); ``counterfactual`` the
+    same targets under the constituent(s) that never saw them (:func:`counterfactual_extraction`),
+    when measured."""
 
     targets: list[SecretTarget]
     extracted: np.ndarray
@@ -81,12 +111,21 @@ class SecretsResult:
     texts: list[str]
     method: str = "scorer"
     ref: dict[str, float] = field(default_factory=dict)
+    counterfactual: SecretsResult | None = None
+
+    def memorized(self) -> np.ndarray:
+        """``bool[N]``: secrets that came out whole here and not from the counterfactual (all
+        whole ones when no counterfactual was measured)."""
+        if self.counterfactual is None:
+            return self.whole.astype(bool)
+        return self.whole.astype(bool) & ~self.counterfactual.whole.astype(bool)
 
     def rows(
         self, *, method: str | None = None, corpus: str | None = None, seed: int = 0
     ) -> list[ResultRow]:
         """Rows ``extracted`` (mean fraction) and ``fer`` (fraction whole), each with its
-        bootstrap ``ci_low``/``ci_high`` and ``n`` = the number of secrets."""
+        bootstrap ``ci_low``/``ci_high`` and ``n`` = the number of secrets; with a
+        counterfactual also :data:`COUNTERFACTUAL_METRICS`."""
         method = method or self.method
         records = len({t.record for t in self.targets})
         out = []
@@ -97,12 +136,58 @@ class SecretsResult:
             out.append(
                 ResultRow(method, SECRETS_ATTACK, metric, est.value, est.n, std, corpus, extra)
             )
+        if self.counterfactual is not None:
+            out += self._paired_rows(method, corpus, seed, records)
+        return out
+
+    def _paired_rows(
+        self, method: str, corpus: str | None, seed: int, records: int
+    ) -> list[ResultRow]:
+        cf = self.counterfactual
+        assert cf is not None
+        if len(cf.targets) != len(self.targets):
+            raise ValueError(
+                f"the counterfactual measured {len(cf.targets)} secrets, the method "
+                f"{len(self.targets)}: run both on the same targets"
+            )
+        out = []
+
+        def whose(mask: np.ndarray) -> int:
+            return len({t.record for t, x in zip(self.targets, mask, strict=True) if x})
+
+        shares = (("guessable", cf.whole.astype(bool)), ("memorized", self.memorized()))
+        for metric, mask in shares:
+            est = bootstrap_ci(mask.astype(float), seed=seed)
+            extra = {
+                "ci_low": est.ci_low,
+                "ci_high": est.ci_high,
+                "records": records,
+                "count": int(mask.sum()),
+                "records_with": whose(mask),
+            }
+            out.append(
+                ResultRow(method, SECRETS_ATTACK, metric, est.value, est.n, 0.0, corpus, extra)
+            )
+        tests = (
+            ("fer_vs_counterfactual", mcnemar_exact(self.whole, cf.whole)),
+            (
+                "extracted_vs_counterfactual",
+                paired_bootstrap(self.extracted, cf.extracted, seed=seed),
+            ),
+        )
+        for metric, t in tests:
+            extra = {**t.extra(), "records": records}
+            out.append(
+                ResultRow(method, SECRETS_ATTACK, metric, t.difference, t.n, 0.0, corpus, extra)
+            )
         return out
 
     def per_record(self) -> dict[str, dict[str, Any]]:
         """``{record id: {partition, extracted, whole, secrets, secrets_whole}}``: a record is
         as exposed as its most exposed secret (``extracted`` its largest fraction, ``whole`` any
-        secret whole)."""
+        secret whole); with a counterfactual also ``counterfactual_extracted``,
+        ``counterfactual_whole`` (the same under the counterfactual) and ``memorized`` (secrets
+        whole here and not from the counterfactual)."""
         out: dict[str, dict[str, Any]] = {}
         for t, x, w in zip(self.targets, self.extracted, self.whole, strict=True):
             d = out.setdefault(
@@ -113,6 +198,16 @@ class SecretsResult:
             d["whole"] = d["whole"] or bool(w)
             d["secrets"] += 1
             d["secrets_whole"] = d.get("secrets_whole", 0) + int(bool(w))
+        cf = self.counterfactual
+        if cf is not None:
+            mem = self.memorized()
+            for t, x, w, k in zip(self.targets, cf.extracted, cf.whole, mem, strict=True):
+                d = out[t.record]
+                d["counterfactual_extracted"] = max(
+                    d.get("counterfactual_extracted", 0.0), float(x)
+                )
+                d["counterfactual_whole"] = d.get("counterfactual_whole", False) or bool(w)
+                d["memorized"] = d.get("memorized", 0) + int(bool(k))
         return out
 
 
@@ -163,3 +258,40 @@ def secret_extraction(
     return SecretsResult(
         targets, extracted.astype(float), whole.astype(bool), texts, scorer_name(scorer)
     )
+
+
+def counterfactual_extraction(
+    unseen: Callable[[int | None], Sequence[Scorer]] | Sequence[Scorer],
+    targets: Sequence[SecretTarget],
+    *,
+    batch_size: int = 16,
+    extra_tokens: int = 2,
+) -> SecretsResult:
+    """The per-record chance level: :func:`secret_extraction` of every target (same prompt, same
+    greedy decoding) from the models that never saw its record — ``unseen(partition)`` for the
+    target's partition (a bundle: the constituents of the other partitions), or the same
+    scorers for every target. With several such models a target gets the most any of them
+    reproduces (``extracted`` the largest fraction, ``whole`` any whole). Raises ``ValueError``
+    when a target's partition has no such model (a one-constituent bundle)."""
+    targets = list(targets)
+    n = len(targets)
+    extracted, whole, texts = np.zeros(n), np.zeros(n, dtype=bool), [""] * n
+    groups: dict[int | None, list[int]] = {}
+    for i, t in enumerate(targets):
+        groups.setdefault(t.partition, []).append(i)
+    for part, idx in groups.items():
+        scorers = list(unseen(part) if callable(unseen) else unseen)
+        if not scorers:
+            raise ValueError(
+                f"no model was trained without partition {part}: the counterfactual needs a "
+                "bundle of at least two constituents"
+            )
+        sub = [targets[i] for i in idx]
+        for sc in scorers:
+            res = secret_extraction(sc, sub, batch_size=batch_size, extra_tokens=extra_tokens)
+            for j, i in enumerate(idx):
+                if res.extracted[j] > extracted[i] or (res.whole[j] and not whole[i]):
+                    texts[i] = res.texts[j]
+                extracted[i] = max(extracted[i], float(res.extracted[j]))
+                whole[i] = whole[i] or bool(res.whole[j])
+    return SecretsResult(targets, extracted, whole, texts, "counterfactual")

@@ -4,8 +4,10 @@ Writes ``DIR/results.json`` (result rows ``{"method", "attack", "metric", "value
 ``DIR/risk.jsonl`` (one line per secret-bearing training record and method, most at risk under
 No CP first: :mod:`scpdr.attacks.risk`), ``DIR/report.md`` (the tables and paragraphs printed),
 ``DIR/timings.json`` (wall time per method and attack) and, with LiRA, ``DIR/lira_roc.png`` and
-``DIR/roc.json``. It prints the main table, the records most at risk, the m sweep (``--m
-1,3,10,30``) and one plain-language paragraph per method. The data (target partition,
+``DIR/roc.json``. It prints the main table, the membership-inference table (every test of the
+suite, the No CP-val row, and what the number of non-members can resolve), the records most at
+risk (with each record's chance level), the m sweep (``--m 1,3,10,30``) and one plain-language
+paragraph per method. The data (target partition,
 validation set, canaries, declared secrets) comes from ``--data`` (a partition directory written
 by ``scpdr partition``/``scpdr train``) or from the bundle's manifest (``extra.partitions``).
 
@@ -158,10 +160,12 @@ def eval_(
 ) -> None:
     """Run attacks against the methods of a bundle, print what they mean, write DIR/results.json.
 
-    Prints the main table, the records most at risk (DIR/risk.jsonl), the m sweep and one
-    paragraph per method on what its certificate covers.
+    Prints the main table, the membership-inference table (with its No CP-val row and what the
+    number of non-members can resolve), the records most at risk with their chance level
+    (DIR/risk.jsonl), the m sweep and one paragraph per method on what its certificate covers.
     """
     import logging
+    from dataclasses import replace
 
     from scpdr.attacks.evaluation import (
         ATTACKS,
@@ -261,7 +265,9 @@ def eval_(
         sweep = load_scorers(
             bundle, smoothed, m=value, reference=reference, store=store, device=device
         )
-        point = run_eval(sweep, eval_data, attack_list, options=options)
+        # the secrets' chance level does not depend on m: measured once, in the main run
+        point_options = replace(options, secrets_counterfactual=False)
+        point = run_eval(sweep, eval_data, attack_list, options=point_options)
         rows += _tag_m([r for r in point.rows if r.method in smoothed], value, sweep=True)
         timings += [{**t, "m": value} for t in point.timings]
     if not rows:  # e.g. LiRA alone without a reference model
@@ -327,6 +333,7 @@ def _write_and_print(out, rows, timings, report, eval_data, method_list, main_m,
     from scpdr.attacks.risk import RISK_FILE, risk_lines, save_risk
     from scpdr.io import atomic_write_json, atomic_write_text
     from scpdr.report import main_table, to_markdown, to_rich
+    from scpdr.report.mia_table import mia_table, power_lines
     from scpdr.report.owndata import method_paragraphs, risk_table, sweep_table
 
     out.mkdir(parents=True, exist_ok=True)
@@ -338,6 +345,12 @@ def _write_and_print(out, rows, timings, report, eval_data, method_list, main_m,
         plot_roc(report.lira, out / "lira_roc.png")
         atomic_write_json(out / "roc.json", {eval_data.corpus: report.roc_curves()})
     tables = [main_table(rows, title=f"Main results ({eval_data.corpus}, m = {main_m})")]
+    mia = mia_table(rows, title=f"Membership inference ({eval_data.corpus})")
+    if mia is not None:  # with its No CP-val row and the power line
+        tables.append(mia)
+        for line in power_lines(rows):
+            if "Warning" in line:
+                logging.getLogger(__name__).warning("membership: %s", line)
     if lines:
         tables.append(risk_table(lines, top=10))
     if ms is not None and len(ms) > 1:

@@ -5,6 +5,10 @@ AUC columns rank by ``|AUC − .5|`` (an AUC below .5 is a flipped test, as much
 mirror: never the best protection); TPR@1% ranks low-is-better. A cell not distinguishable from
 No CP-val at 95% — the same attack on examples no model saw, attacked as if they were members:
 what the test reaches without membership — is marked ``°``.
+
+Every table says what its test can resolve (:func:`power_lines`): with N non-members the
+smallest false-positive rate an attack can be read at is 1/N, so TPR@1% needs N >= 100 and
+TPR@0.1% N >= 1000; with fewer, the table warns that the column is read at 1/N instead.
 """
 
 from __future__ import annotations
@@ -18,13 +22,48 @@ from scpdr.attacks.results import NO_CP_VAL
 from scpdr.report.cells import NEAR_CHANCE, Cell, Column, Table, format_ci, marked_cells
 from scpdr.report.rows import corpora_for, differs, main_rows, ordered_methods, pick, row_value
 
-__all__ = ["MIA_COLUMNS", "mia_table"]
+__all__ = ["MIA_COLUMNS", "MIN_NONMEMBERS", "mia_table", "power_lines"]
 
 #: (metric, label, direction) of each attack's columns.
 MIA_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("auc", "AUC", "center"),
     ("tpr@0.01fpr", "TPR@1%", "down"),
 )
+
+
+#: Non-members a TPR at 1% FPR needs (one false positive in 100).
+MIN_NONMEMBERS = 100
+
+
+def power_lines(rows: Iterable[Any]) -> list[str]:
+    """What the membership tests of ``rows`` can resolve: ``"members M / non-members N; the
+    smallest FPR N non-members can resolve is 1/N (x%)"`` per corpus, and a warning when N <
+    :data:`MIN_NONMEMBERS` (TPR@1% cannot be resolved: it is read at 1/N, as TPR@0.1% is)."""
+    rows = [r for r in main_rows(rows) if r.get("attack") in MIA_ATTACKS]
+    rows = [r for r in rows if r.get("metric") == "auc" and r.get("method") != NO_CP_VAL]
+    out = []
+    corpora = list(dict.fromkeys(r.get("corpus") for r in rows))
+    for corpus in corpora:
+        sel = [r for r in rows if r.get("corpus") == corpus]
+        mem = max(int(r.get("n_members") or 0) for r in sel)
+        non = min(int(r.get("n_nonmembers") or 0) for r in sel)
+        if non <= 0:
+            continue
+        where = f" ({corpus})" if len(corpora) > 1 and corpus else ""
+        line = (
+            f"Power{where}: members {mem} / non-members {non}; the smallest FPR {non} "
+            f"non-members can resolve is 1/{non} ({1 / non:.2%})."
+        )
+        if non < MIN_NONMEMBERS:
+            line += (
+                f" Warning: fewer than {MIN_NONMEMBERS} non-members, so TPR@1% cannot be "
+                f"resolved (it is read at FPR 1/{non}, and TPR@0.1% is the same number); "
+                "hold out more validation records for a test with that power."
+            )
+        elif non < 10 * MIN_NONMEMBERS:
+            line += f" TPR@0.1% needs {10 * MIN_NONMEMBERS} non-members: it is read at 1/{non}."
+        out.append(line)
+    return out
 
 
 def _population_note(rows: list[dict[str, Any]]) -> str:
@@ -119,6 +158,13 @@ def mia_table(
     pop = _population_note(rows)
     if pop:
         notes.append(pop)
+    if NO_CP_VAL not in raw:
+        notes.append(
+            "No CP-val: not measured — no held-out record was left beyond the non-members to "
+            "attack as if a member (the chance level needs them); no cell can be marked "
+            f"{NEAR_CHANCE}, compare AUCs with .5 instead."
+        )
+    notes += power_lines(rows)
     return Table(
         title=title,
         columns=columns,

@@ -1,6 +1,8 @@
-"""What ``scpdr eval`` tells the owner of the data: the records most at risk, the m sweep, and a
-plain-language paragraph per method on what was measured and what its certificate does and
-does not cover (docs/certificate.md).
+"""What ``scpdr eval`` tells the owner of the data: the records most at risk (with each record's
+chance level: whether a model that never saw it produces its secret too), the m sweep, and a
+plain-language paragraph per method on what was measured — secrets that came out because they
+are guessable apart from those that came out because they were memorized, membership against its
+chance level — and what its certificate does and does not cover (docs/certificate.md).
 
 Tables use the report's table model (:class:`~scpdr.report.cells.Table`), so they render on the
 terminal (:func:`~scpdr.report.formats.to_rich`) and in Markdown alike.
@@ -12,8 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from scpdr import methods as M
+from scpdr.attacks.mia import MIA_ATTACKS
 from scpdr.report.cells import Cell, Column, Table, format_value, marked_cells
 from scpdr.report.rows import as_dict
+from scpdr.report.verdicts import membership_verdict, secrets_verdict
 
 __all__ = ["method_paragraph", "method_paragraphs", "risk_table", "sweep_table"]
 
@@ -38,36 +42,62 @@ def _risk_methods(names: Sequence[str]) -> list[str]:
 
 
 def risk_table(lines: Sequence[Mapping[str, Any]], *, top: int = 10) -> Table:
-    """The ``top`` records most at risk (``risk.jsonl``'s order): for No CP and the protected
-    (smoothed) methods, the fraction of the most exposed secret extracted, the secrets extracted
-    whole, and the ``ref`` score (every method is in ``risk.jsonl``)."""
+    """The ``top`` records most at risk (``risk.jsonl``'s order): the record's chance level
+    ("Guessable": how much of its most exposed secret a model that never saw it reproduces,
+    "whole" when all of it), then for No CP and the protected (smoothed) methods the fraction of
+    the most exposed secret extracted, the secrets extracted whole, those of them memorized
+    (whole here and not from the chance level) and the ``ref`` score (every method is in
+    ``risk.jsonl``)."""
     methods = _risk_methods(list(dict.fromkeys(str(ln["method"]) for ln in lines)))
     records = list(dict.fromkeys(str(ln["record"]) for ln in lines))[:top]
     by = {(str(ln["record"]), str(ln["method"])): ln for ln in lines}
+    chance = any(ln.get("counterfactual_extracted") is not None for ln in lines)
+    per = ["Extracted", "Whole", *(["Memorized"] if chance else []), "ref"]
     columns = [Column("Partition", "", "", "down")]
+    if chance:
+        columns.append(Column("Guessable", "", "", "down"))
     for m in methods:
-        columns += [
-            Column(M.label(m), "", "Extracted", "down"),
-            Column(M.label(m), "", "Whole", "down"),
-            Column(M.label(m), "", "ref", "down"),
-        ]
+        columns += [Column(M.label(m), "", label, "down") for label in per]
     cells = []
     for rid in records:
         first = next(by[(rid, m)] for m in methods if (rid, m) in by)
         part = first.get("partition")
         row = [Cell(part, "-" if part is None else str(part))]
+        if chance:
+            cx = first.get("counterfactual_extracted")
+            text = (
+                "-"
+                if cx is None
+                else f"{cx:.0%}" + (" whole" if first.get("counterfactual_whole") else "")
+            )
+            row.append(Cell(cx, text))
         for m in methods:
             ln = by.get((rid, m))
             if ln is None:
-                row += [Cell(None, "-")] * 3
+                row += [Cell(None, "-")] * len(per)
                 continue
             whole = f"{ln['secrets_whole']}/{ln['secrets']}"
             row += [
                 Cell(ln["extracted"], f"{ln['extracted']:.0%}"),
                 Cell(ln["secrets_whole"], whole),
-                Cell(ln.get("ref"), format_value(ln.get("ref"))),
             ]
+            if chance:
+                k = ln.get("memorized")
+                row.append(Cell(k, "-" if k is None else f"{k}/{ln['secrets']}"))
+            row.append(Cell(ln.get("ref"), format_value(ln.get("ref"))))
         cells.append(row)
+    notes = [
+        "Extracted: share of the record's most exposed secret reproduced from the text "
+        "before it; Whole: secrets extracted in full / secrets; ref: log-likelihood ratio of "
+        "the record vs the base model (higher = better known than the base model knows it)."
+    ]
+    if chance:
+        notes.append(
+            "Guessable: the same query to the constituent(s) that never saw the record (the "
+            "record's chance level: a secret such a model produces came out because it can be "
+            "guessed, e.g. from the name before it); Memorized: secrets extracted whole by the "
+            "method and not by that model: real leaks."
+        )
     return Table(
         title=f"Records most at risk (top {len(records)} of "
         f"{len(dict.fromkeys(str(ln['record']) for ln in lines))}, sorted by "
@@ -76,11 +106,7 @@ def risk_table(lines: Sequence[Mapping[str, Any]], *, top: int = 10) -> Table:
         row_labels=records,
         row_keys=records,
         cells=cells,
-        notes=[
-            "Extracted: share of the record's most exposed secret reproduced from the text "
-            "before it; Whole: secrets extracted in full / secrets; ref: log-likelihood ratio of "
-            "the record vs the base model (higher = better known than the base model knows it)."
-        ],
+        notes=notes,
         corner="record",
     )
 
@@ -167,13 +193,20 @@ def method_paragraph(
     tte = _find(rows, method, "tte", "auc")
     if tte is not None:
         measured.append(f"token-by-token extraction AUC {tte['value']:.2f} (0.5 = chance)")
-    lira = _find(rows, method, "lira", "auc")
-    if lira is not None:
-        measured.append(f"LiRA membership AUC {lira['value']:.2f} (0.5 = chance)")
+    if any(
+        r["method"] == method and r["metric"] == "auc" and r["attack"] in MIA_ATTACKS for r in rows
+    ):
+        measured.append(membership_verdict(rows, method))
     util = _find(rows, method, "utility", "acc")
     if util is not None:
         measured.append(f"next-token accuracy on held-out records {util['value']:.2f}")
     what = "; ".join(measured) if measured else "no attack produced a number"
+    chance = secrets_verdict(rows, method)
+    if chance is not None:  # the secrets, each against its own chance level
+        what += (
+            ". Each secret against its chance level (the same query to the constituent(s) that "
+            "never saw the record): " + chance.removeprefix("secrets: ")
+        )
     if spec is None or spec.rule == "none":
         return (
             f"{name} serves the constituent trained on partition 0 alone: what the data is "
