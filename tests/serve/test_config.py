@@ -10,7 +10,7 @@ import pytest
 
 from scpdr import methods
 from scpdr.errors import ConfigError
-from scpdr.serve.config import DEFAULT_MODEL_NAME, ServeConfig
+from scpdr.serve.config import DEFAULT_MODEL_NAME, UNPROTECTED_METHOD, ServeConfig
 from scpdr.serve.server import PortUnavailableError, bind_socket, check_bundle
 
 
@@ -41,7 +41,18 @@ def test_bad_settings_name_the_option_and_the_field(kw, needle):
 
 @pytest.mark.parametrize("rule", methods.RULES)
 def test_every_rule_is_accepted(rule):
-    assert ServeConfig(method=rule).method == rule
+    unprotected = rule == UNPROTECTED_METHOD  # constituent 0 alone: only when asked for
+    assert ServeConfig(method=rule, unprotected=unprotected).method == rule
+
+
+def test_method_none_needs_unprotected_and_unprotected_needs_method_none():
+    with pytest.raises(ConfigError, match="--unprotected") as err:
+        ServeConfig(method="none")
+    assert "no protection" in str(err.value) and "ServeConfig.method" in str(err.value)
+    assert ServeConfig(method="none", unprotected=True).unprotected
+    with pytest.raises(ConfigError, match="--unprotected applies to --method none only"):
+        ServeConfig(method="cp-delta-r", unprotected=True)
+    ServeConfig(unprotected=True)  # the bundle's method decides (check_bundle, create_app)
 
 
 def test_round_trips_through_json_and_names_the_served_model():
@@ -74,3 +85,16 @@ def test_check_bundle_refuses_settings_the_bundle_cannot_run(serve_bundle, tmp_p
     check_bundle(serve_bundle, ServeConfig(method="cp-delta", m=manifest.vocab_size))  # no m
     with pytest.raises(ValueError, match="not a bundle"):
         check_bundle(tmp_path, ServeConfig())
+
+
+def test_check_bundle_refuses_a_bundle_whose_default_method_is_none(serve_bundle, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(serve_bundle, bundle)
+    manifest = json.loads((bundle / "scpdr.json").read_text())
+    (bundle / "scpdr.json").write_text(json.dumps({**manifest, "method": "none"}))
+    with pytest.raises(ConfigError, match="--unprotected"):
+        check_bundle(bundle, ServeConfig())
+    check_bundle(bundle, ServeConfig(unprotected=True))
+    check_bundle(bundle, ServeConfig(method="cp-delta"))  # a protected method overrides it

@@ -246,9 +246,10 @@ VAL_FRACTION = typer.Option(
     min=0.0,
     max=0.9,
     help="Share of the records held out for validation when the data has no validation split "
-    "(whole --group-field groups at a time; recorded in the manifest) [default: 0.1].",
+    "(whole near-duplicate, --group-field and shared-secret groups at a time; recorded in the "
+    "manifest) [default: max(10%, min(100 records, 25%))].",
 )
-"""``--val-fraction`` (default :data:`scpdr.data.DEFAULT_VAL_FRACTION` for a user file)."""
+"""``--val-fraction`` (unset: :func:`scpdr.data.user_data.default_val_size` for a user file)."""
 
 GROUPING_OPTIONS = OptionGroup(
     GroupingConfig,

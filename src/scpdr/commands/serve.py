@@ -25,6 +25,7 @@ def serve(
     m: int | None = _option("m"),
     base: str = _option("base"),
     device: str | None = _option("device"),
+    unprotected: bool = _option("unprotected"),
     host: str = _option("host"),
     port: int = _option("port"),
     api_key: str | None = _option("api_key", envvar="SCPDR_API_KEY"),

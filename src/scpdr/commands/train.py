@@ -54,9 +54,8 @@ def train(
     partitions: int | None = typer.Option(
         None,
         "--partitions",
-        min=1,
-        help=f"Number of partitions/constituents (default {_DEFAULT_K}; a partition dir DATA "
-        "sets its own).",
+        help=f"Number of partitions/constituents, at least 2 (default {_DEFAULT_K}; a partition "
+        "dir DATA sets its own).",
     ),
     out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
     base: str = typer.Option(
@@ -87,6 +86,12 @@ def train(
     method: str = typer.Option("scp-delta-r", "--method", help="Default method of the bundle."),
     m: int = typer.Option(10, "--m", min=1, help="Default smoothing parameter m of the bundle."),
     device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue the interrupted run in --out (same data and options) from its last "
+        "checkpoints; without it, an interrupted run there is an error.",
+    ),
     train_options: dict[str, Any],
     field_options: dict[str, Any],
     secret_options: dict[str, Any],
@@ -98,13 +103,19 @@ def train(
     Secrets (--secrets-field, --secret-pattern) are stored with the partitions in the bundle
     and checked by the partition audit; --group-field keeps a data subject's records in one
     partition. `scpdr eval BUNDLE` measures them; `scpdr export` makes a bundle without them.
+    An interrupted run continues with --resume.
     """
     from scpdr.commands import check_method
     from scpdr.data import load_partitions, prepare_partitions
     from scpdr.errors import ConfigError
     from scpdr.training import TrainConfig, train_bundle
+    from scpdr.training.bundle import check_constituents
     from scpdr.training.placement import is_main_process, main_process_first, training_device
+    from scpdr.training.resume import check_bundle_resume
 
+    if partitions is not None:  # before any data is read or model loaded
+        check_constituents(partitions)
+    check_bundle_resume(out, resume)
     saved = {}
     if config is not None:
         saved = TrainConfig.from_file(config).model_dump(exclude_unset=True)
@@ -116,6 +127,9 @@ def train(
     data_path = Path(data)
     if data_path.is_dir() and (data_path / "manifest.json").is_file():
         pset = load_partitions(data_path)
+        check_constituents(
+            pset.k, fix=f"{data} holds {pset.k}; partition it again: `scpdr partition --k 2`"
+        )
         given = [
             *(
                 flag
@@ -180,6 +194,7 @@ def train(
         method=method,
         m=m,
         device=device,
+        resume=resume,
     )
     if is_main_process():
         typer.echo(f"wrote bundle {path} with {pset.k} constituents")

@@ -48,6 +48,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     the ones :meth:`Engine.from_config` reads, so pass it there too.
     """
     config = config or ServeConfig()
+    config.check_protection(str(engine.lm.method))  # "none" only with unprotected, and logged
     state = ServingState(engine, config)
     completion = CompletionEndpoint(state)
     chat = ChatEndpoint(state)

@@ -12,6 +12,7 @@ imports neither pydantic nor FastAPI.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,12 @@ from scpdr import methods
 from scpdr.device import DEVICE_PATTERN as _DEVICE
 from scpdr.errors import ConfigError
 
-__all__ = ["DEFAULT_MODEL_NAME", "ServeConfig", "option_spec"]
+__all__ = ["DEFAULT_MODEL_NAME", "UNPROTECTED_METHOD", "ServeConfig", "option_spec"]
+
+logger = logging.getLogger(__name__)
+
+#: The rule that aggregates nothing: constituent 0 alone, served only with ``unprotected``.
+UNPROTECTED_METHOD = "none"
 
 #: The model id served when neither ``model_name`` nor a bundle names one.
 DEFAULT_MODEL_NAME = "scpdr"
@@ -57,6 +63,11 @@ class ServeConfig:
     base: str = _f("model", "SCP base: 'model' (b variant) or 'constant' (c variant).")
     device: str | None = _f(
         None, "Device of the models: cpu, cuda or cuda:N (default: cuda when available, else cpu)."
+    )
+    unprotected: bool = _f(
+        False,
+        "Allow --method none: serve constituent 0 alone, with no protection and no certificate "
+        "(its outputs can repeat its training partition); logged as a WARNING on every start.",
     )
     # ---- where it listens -------------------------------------------------------------------------
     host: str = _f("127.0.0.1", "Interface to listen on (0.0.0.0: every interface).")
@@ -120,6 +131,13 @@ class ServeConfig:
         if self.method is not None and self.method not in methods.RULES:
             known = ", ".join(methods.RULES)
             raise _error("method", f"{self.method!r} is unknown; use one of: {known}")
+        if self.method is not None:
+            self.check_protection(self.method, warn=False)
+        if self.unprotected and self.method not in (None, UNPROTECTED_METHOD):
+            raise _error(
+                "unprotected",
+                f"applies to --method none only; --method {self.method} is protected: drop it",
+            )
         if self.base not in ("model", "constant"):
             raise _error("base", f"must be 'model' or 'constant', got {self.base!r}")
         if self.device is not None and not _DEVICE.match(self.device):
@@ -145,6 +163,27 @@ class ServeConfig:
             raise _error("budget_window", "needs --client-budget (the budget it refills)")
         if self.budget_file is not None and self.client_budget is None:
             raise _error("budget_file", "needs --client-budget (the usage it keeps)")
+
+    def check_protection(self, method: str, *, warn: bool = True) -> None:
+        """Refuse to serve ``method`` "none" (constituent 0, unprotected) unless ``unprotected``;
+        with it, log a WARNING (``warn``). ``method`` is the one that will run: this config's,
+        or the bundle's when the config leaves it unset."""
+        if method != UNPROTECTED_METHOD:
+            return
+        if not self.unprotected:
+            raise _error(
+                "method",
+                "none serves constituent 0 alone with no protection: no aggregation, no "
+                "certificate, and its outputs can repeat its training partition; pass "
+                "--unprotected (ServeConfig(unprotected=True)) to serve it anyway, or choose "
+                "a protected method (the default, scp-delta-r)",
+            )
+        if warn:
+            logger.warning(
+                "UNPROTECTED: serving %s with method none: constituent 0 alone, no protection "
+                "and no certificate; its outputs can repeat its training data (--unprotected)",
+                self.served_model_name,
+            )
 
     @property
     def api_keys(self) -> tuple[str, ...]:

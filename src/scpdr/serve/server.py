@@ -80,11 +80,13 @@ def check_bundle(bundle: str | os.PathLike[str], config: ServeConfig) -> Any:
 
     Raises:
         BundleError: not a bundle, or a file it names is missing.
-        ConfigError: the method, m or base cannot run on this bundle.
+        ConfigError: the method, m or base cannot run on this bundle, or the method (the
+            bundle's when the config sets none) is "none" without ``unprotected``.
     """
     from scpdr.models import read_bundle
 
     manifest = read_bundle(bundle)
+    config.check_protection(config.method or manifest.method, warn=False)
     if (config.method or manifest.method) not in methods.SMOOTHED_RULES:
         return manifest
     m, vocab = (manifest.m if config.m is None else config.m), manifest.vocab_size

@@ -6,9 +6,11 @@
 - :mod:`~scpdr.training.goldfish`: the goldfish loss mask (Hans et al. 2024);
 - :mod:`~scpdr.training.plan`: :func:`fit_to_data`, packing/batch/warm-up sized to the records,
   and the :class:`TrainPlan` printed before training (with a warning when it cannot learn);
-- :mod:`~scpdr.training.progress`: a rich progress bar per constituent;
+- :mod:`~scpdr.training.progress`: a rich progress bar per constituent (log lines without a
+  terminal);
+- :mod:`~scpdr.training.resume`: interrupted runs, resumed only when asked (``--resume``);
 - :mod:`~scpdr.training.finetune`: :func:`finetune`, one resumable, atomic run;
-- :mod:`~scpdr.training.bundle`: :func:`train_bundle`, every constituent and the bundle.
+- :mod:`~scpdr.training.bundle`: :func:`train_bundle`, every constituent (K >= 2) and the bundle.
 
 See ``docs/training.md``.
 """

@@ -15,13 +15,29 @@ from scpdr.errors import ConfigError
 from scpdr.training.config import TrainConfig, make_config
 from scpdr.training.finetune import finetune
 from scpdr.training.placement import is_main_process, main_process_first, wait_for_everyone
+from scpdr.training.resume import check_bundle_resume, interrupted_runs
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["train_bundle"]
+__all__ = ["MIN_CONSTITUENTS", "check_constituents", "train_bundle"]
+
+#: The fewest constituents of a bundle: every protection method compares K >= 2 models trained
+#: on disjoint partitions (a single model is "none", no protection).
+MIN_CONSTITUENTS = 2
+
+
+def check_constituents(k: int, *, fix: str = "use --partitions 2 or more") -> None:
+    """Refuse ``k`` < :data:`MIN_CONSTITUENTS` partitions (before anything is read or trained):
+    the bundle could not be served protected. ``fix`` says how to get more."""
+    if k < MIN_CONSTITUENTS:
+        raise ConfigError(
+            f"{k} partition(s) would train {k} constituent(s), but the protection methods "
+            f"(cp-delta, cp-delta-r, scp-delta-r, ...) need K >= {MIN_CONSTITUENTS} constituents "
+            f"trained on disjoint partitions, and `scpdr serve` refuses a bundle with fewer; {fix}"
+        )
 
 
 def train_bundle(
@@ -36,6 +52,7 @@ def train_bundle(
     constant_base_prompts: Sequence[str] | None = None,
     callbacks: Sequence[TrainerCallback] = (),
     device: str | None = None,
+    resume: bool | None = None,
 ) -> Path:
     """Audit the partitions, train one constituent per partition, and write a bundle in ``out``.
 
@@ -47,8 +64,14 @@ def train_bundle(
     ``data`` is a :class:`PartitionSet` (audited here: a failing audit raises
     :class:`~scpdr.errors.PartitionAuditError` unless ``allow_failed_audit``, which is recorded in
     the bundle's ``audit`` field) or what :func:`scpdr.data.prepare_partitions` returned (its
-    audit is used). ``base`` is ``"embedded"`` or a model directory. Re-running resumes:
-    finished constituents are kept. ``device``: where to train (:func:`finetune`).
+    audit is used); it must have at least :data:`MIN_CONSTITUENTS` partitions. ``base`` is
+    ``"embedded"`` or a model directory. ``device``: where to train (:func:`finetune`).
+
+    ``resume`` (:mod:`scpdr.training.resume`): ``True`` continues an interrupted run in ``out``
+    (finished constituents are kept, the one that was training continues from its last
+    checkpoint, the rest start) and is an error when ``out`` holds none, or holds one with other
+    partitions or settings; ``False`` refuses an interrupted run in ``out`` (``scpdr train``
+    without ``--resume``); ``None`` (default) continues one and logs that it does.
 
     Under ``accelerate launch`` every process calls this with the same data; the constituents are
     trained by all of them together, and only the main process writes the partitions and the
@@ -61,14 +84,20 @@ def train_bundle(
         pset, audit = data.pset, data.audit_record()
     else:
         pset, audit = data, None
+    check_constituents(pset.k, fix="partition the data into 2 or more parts (k >= 2)")
     out = Path(out)
+    check_bundle_resume(out, resume)
+    wait_for_everyone()  # every process has checked before the main one writes
     pdir = out / "partitions"
     with main_process_first():  # the main process saves the partitions, the others read them
         if (pdir / "manifest.json").is_file():
             saved = load_partitions(pdir)
             if saved.manifest.sha256() != pset.manifest.sha256():
+                again = " to resume that run" if resume else ""
                 raise ConfigError(
-                    f"{out} already holds different partitions; choose another --out directory"
+                    f"{out} already holds other partitions ({pdir}: other data, --partitions, "
+                    "--seed, field, grouping or canary options than these); rerun with the "
+                    f"options that made them{again}, or choose another --out directory"
                 )
         if audit is None:
             audit = audit_for_bundle(pset, allow_failed_audit=allow_failed_audit)
@@ -80,15 +109,19 @@ def train_bundle(
         if not part:
             raise ConfigError(f"partition {i} is empty; use fewer partitions or more data")
         logger.info("training constituent %d/%d on %d records", i + 1, pset.k, len(part))
+        c_out = out / f"constituent-{i}"
+        # resuming the bundle: a constituent that never started starts (nothing to resume)
+        c_resume = None if resume and not interrupted_runs(c_out) else resume
         refs.append(
             # the config as given: finetune sizes what it leaves unset to the partition
             finetune(
                 part,
                 base=base,
                 config=config,
-                out=out / f"constituent-{i}",
+                out=c_out,
                 callbacks=callbacks,
                 device=device,
+                resume=c_resume,
             )
         )
 

@@ -49,8 +49,8 @@ PAPER_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "packing": (True, False),
 }
 
-# Settings that do not change the trained weights (left out of the fingerprint).
-_NOT_IN_FINGERPRINT = ("progress", "logging_steps", "save_steps", "save_total_limit")
+#: Settings that do not change the trained weights (left out of the fingerprint).
+NOT_IN_FINGERPRINT = ("progress", "logging_steps", "save_steps", "save_total_limit")
 
 
 class TrainConfig(BaseModel):
@@ -114,12 +114,19 @@ class TrainConfig(BaseModel):
     shuffle_examples: bool = Field(
         True, description="Shuffle examples (seeded) once before packing them into sequences."
     )
-    save_steps: int = Field(200, ge=1, description="Checkpoint every this many steps (resume).")
+    save_steps: int = Field(
+        200,
+        ge=1,
+        description="Checkpoint every this many steps, and at least once per epoch (--resume).",
+    )
     save_total_limit: int = Field(1, ge=1, description="Checkpoints kept while training.")
     logging_steps: int = Field(10, ge=1, description="Log the loss every this many steps.")
     bf16: bool = Field(False, description="bf16 mixed precision (GPU).")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
-    progress: bool = Field(True, description="Show progress bars.")
+    progress: bool = Field(
+        True,
+        description="Show progress: a bar on a terminal, log lines (step, loss, ETA) otherwise.",
+    )
 
     @field_validator("max_steps", mode="before")
     @classmethod
@@ -206,7 +213,7 @@ class TrainConfig(BaseModel):
         """SHA-256 of the resolved settings that change the trained weights (not logging,
         checkpointing or progress)."""
         d = self.resolved().model_dump(mode="json")
-        for k in _NOT_IN_FINGERPRINT:
+        for k in NOT_IN_FINGERPRINT:
             d.pop(k)
         # "no step limit" was -1 before it was None: finished runs keep their fingerprint
         d["max_steps"] = -1 if d["max_steps"] is None else d["max_steps"]

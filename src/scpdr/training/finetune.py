@@ -6,15 +6,18 @@ Defaults follow the paper's training table (App. E, Table 6, after Abad et al. 2
 are concatenated as they are, as the paper does for LoRA), so no new embedding needs initializing.
 
 Runs are resumable and their outputs atomic: a run trains in ``<out>.tmp-<fingerprint>``
-(checkpoints every ``save_steps``); re-running the same call resumes from the last checkpoint;
-the final directory (model safetensors or adapter, tokenizer, ``train_info.json``) is renamed to
-``out`` at the end. The same code runs under ``accelerate launch`` on several processes.
+(``run.json``: what it trains; a checkpoint every ``save_steps`` and at least once per epoch);
+``finetune(..., resume=True)`` continues it from its last checkpoint (:func:`finetune` says when
+``resume`` is left unset or ``False``); the final directory (model safetensors or adapter,
+tokenizer, ``train_info.json``) is renamed to ``out`` at the end. The same code runs under
+``accelerate launch`` on several processes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -29,12 +32,16 @@ from scpdr.io import atomic_write_json, read_json
 from scpdr.training.config import TrainConfig, make_config
 from scpdr.training.placement import (
     full_state_dict,
+    is_main_process,
     placement_info,
     resolve_optim,
     select_device,
     training_device,
+    wait_for_everyone,
+    world_size,
 )
 from scpdr.training.plan import example_lengths, fit_to_data
+from scpdr.training.resume import RUN_INFO, choose_checkpoint
 from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,12 +78,6 @@ def _tmp_dir(out: Path, fingerprint: str) -> Path:
     return out.parent / f"{out.name}.tmp-{fingerprint[:16]}"
 
 
-def _latest_checkpoint(d: Path) -> Path | None:
-    ckpts = [p for p in d.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-    ckpts = [p for p in ckpts if (p / "trainer_state.json").is_file()]
-    return max(ckpts, key=lambda p: int(p.name.split("-")[-1])) if ckpts else None
-
-
 def finetune(
     records: Sequence[Record],
     *,
@@ -86,6 +87,7 @@ def finetune(
     overwrite: bool = False,
     callbacks: Sequence[TrainerCallback] = (),
     device: str | None = None,
+    resume: bool | None = None,
 ) -> Path:
     """Fine-tune ``base`` on ``records`` and write the result to ``out`` (atomically).
 
@@ -105,10 +107,17 @@ def finetune(
             (:mod:`scpdr.training.placement`). An 8-bit optimizer falls back to ``adamw_torch``
             where it cannot run (recorded in ``train_info.json``).
 
-    Resuming: the run trains in ``<out>.tmp-<fingerprint>``; calling ``finetune`` again with the
-    same records, base and config after an interruption resumes from the last checkpoint there
-    and reaches the same weights. If ``out`` already holds a finished run with the same
-    fingerprint it is returned as is. Returns ``out``.
+        resume: what to do with an interrupted run of ``out`` (``<out>.tmp-*`` with a
+            checkpoint). ``True``: continue it from its last checkpoint (model, optimizer,
+            scheduler, RNG and data order) to the same weights as an uninterrupted run; an
+            error if there is none, or if it was started with other records, base or settings
+            (the error lists the differences). ``False``: an interrupted run is an error naming
+            ``resume=True`` (as the Trainer, which resumes only when asked). ``None``
+            (default): resume one with the same fingerprint, and log that it does.
+
+    The run trains in ``<out>.tmp-<fingerprint>`` (``run.json`` there records what it trains),
+    with a checkpoint every ``min(save_steps, steps per epoch)`` steps. If ``out`` already holds
+    a finished run with the same fingerprint it is returned as is. Returns ``out``.
     """
     import torch
     import transformers
@@ -126,6 +135,14 @@ def finetune(
     swapped = f"|optim={optim}" if optim != cfg.optim else ""  # another optimizer's checkpoints
     fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}{swapped}".encode()).hexdigest()
     tmp = _tmp_dir(out, fp)
+    run = {
+        "fingerprint": fp,
+        "config": cfg.model_dump(mode="json"),
+        "records": len(records),
+        "records_sha256": data_hash,
+        "base": base_key,
+        "optim": optim,
+    }
 
     info_path = out / TRAIN_INFO
     if info_path.is_file():
@@ -142,6 +159,13 @@ def finetune(
             )
     elif out.exists() and not overwrite:
         raise ConfigError(f"{out} exists and is not a finished training run; remove it first")
+    resume_ckpt = choose_checkpoint(out, tmp, run, resume)  # before any model loads
+    wait_for_everyone()  # every process has decided before the main one writes
+    if is_main_process():
+        if resume_ckpt is None and tmp.is_dir():
+            shutil.rmtree(tmp)  # a start without a checkpoint: nothing in it to keep
+        tmp.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(tmp / RUN_INFO, run)
 
     model, tok, base_ref = _load_base(base)
     if tok.pad_token_id is None:
@@ -171,9 +195,9 @@ def finetune(
         set_seed(cfg.seed)  # the adapter's random init (the Trainer seeds only later)
         model = _wrap_lora(model, cfg)
 
-    resume = _latest_checkpoint(tmp) if tmp.is_dir() else None
-    if resume is not None:
-        logger.info("resuming %s from %s", out, resume)
+    # a checkpoint at least once per epoch: an interrupted run loses at most one epoch
+    batches = math.ceil(math.ceil(len(rows) / world_size()) / int(cfg.batch_size))
+    save_steps = min(cfg.save_steps, max(batches // cfg.grad_accum, 1))
     select_device(dev)
     args = TrainingArguments(
         output_dir=str(tmp),
@@ -191,7 +215,7 @@ def finetune(
         seed=cfg.seed,
         data_seed=cfg.seed,
         save_strategy="steps",
-        save_steps=cfg.save_steps,
+        save_steps=save_steps,
         save_total_limit=cfg.save_total_limit,
         logging_steps=cfg.logging_steps,
         logging_first_step=True,
@@ -226,7 +250,7 @@ def finetune(
     else:
         trainer.add_callback(_log_callback())
     t0 = time.time()
-    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    result = trainer.train(resume_from_checkpoint=str(resume_ckpt) if resume_ckpt else None)
     elapsed = time.time() - t0
 
     stage = tmp / "final"
@@ -265,7 +289,8 @@ def finetune(
             "epochs_done": trainer.state.epoch,
             "train_loss": result.training_loss,
             "log_history": trainer.state.log_history,
-            "resumed_from": resume.name if resume else None,
+            "resumed_from": resume_ckpt.name if resume_ckpt else None,
+            "save_steps": save_steps,
             "train_seconds": elapsed,
             "versions": {
                 "torch": torch.__version__,
@@ -285,13 +310,14 @@ def finetune(
 
 
 def _skip_final_checkpoint() -> TrainerCallback:
-    """Skip the Trainer's extra checkpoint after the last step (model + optimizer state, ~1.6 GB
-    for the 135M base): the final model is saved right after training anyway."""
+    """Skip the Trainer's checkpoint after the last step (model + optimizer state, ~1.6 GB for
+    the 135M base), also when the last step falls on the save interval (the end of an epoch):
+    the final model is saved right after training anyway."""
     from transformers import TrainerCallback
 
     class _Skip(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if state.global_step >= state.max_steps and state.global_step % args.save_steps:
+            if state.global_step >= state.max_steps:
                 control.should_save = False
 
     return _Skip()
