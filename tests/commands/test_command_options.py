@@ -38,6 +38,7 @@ NOT_TRAINING = {
     "n_train",
     "n_val",
     "val_fraction",
+    "resume",
     "split",
     "seed",
     "canaries",

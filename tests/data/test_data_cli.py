@@ -48,8 +48,9 @@ def test_partition_user_file_with_field_mapping(tmp_path: Path):
     argv = ["partition", str(src), "--k", "2", "--out", str(out)]
     assert main([*argv, "--prompt-field", "q", "--response-field", "a"]) == 0
     pset = load_partitions(out)
-    # a file has no validation split: --val-fraction's default 0.1 holds out one record of 10
-    assert len(pset.validation) == 1 and pset.manifest.dataset["validation"]["source"] == "carved"
+    # a file has no validation split: the default carve, max(10%, min(100, 25%)), holds out
+    # two records of 10
+    assert len(pset.validation) == 2 and pset.manifest.dataset["validation"]["source"] == "carved"
     kept = [r.prompt for p in pset.parts for r in p] + [r.prompt for r in pset.validation]
     assert sorted(kept) == sorted(r["q"] for r in rows)
     # the older --field OURS=THEIRS spelling still works and gives the same partitions

@@ -165,7 +165,8 @@ def test_canaries_pinned_to_their_partition_and_audited(tmp_path: Path):
     rng = random.Random(2)
     recs = [Record.make(id=f"r{i}", text=_random_text(rng)) for i in range(12)]
     reg = make_canaries(CanaryConfig(n_per_repetition=2, repetitions=(1, 3), partition=1))
-    pset = partition_records(recs, k=3, seed=0, canaries=reg, validation=recs[:2])
+    held = [Record.make(id=f"v{i}", text=_random_text(rng)) for i in range(2)]
+    pset = partition_records(recs, k=3, seed=0, canaries=reg, validation=held)
     texts1 = [r.text for r in pset.parts[1]]
     for c in reg.inserted:
         assert texts1.count(c.text) == c.repetitions
@@ -184,7 +185,7 @@ def test_canaries_pinned_to_their_partition_and_audited(tmp_path: Path):
     ]
     back = load_partitions(out)
     assert back.manifest == pset.manifest and back.parts == pset.parts
-    assert back.canaries == reg and back.validation == recs[:2]
+    assert back.canaries == reg and back.validation == held
     assert audit_dir(out).passed
     assert PartitionManifest.load(out / "manifest.json").sha256() == pset.manifest.sha256()
     # a held-out canary slipped into training fails the audit

@@ -8,10 +8,16 @@ the one rule that draws a subset of them (:func:`select`).
 stage of ``scpdr experiment`` builds it from the loaded partition set
 (:meth:`EvalData.from_partition_set`), with the MIA suite's "records" members set to the targets
 its reference model p0 was trained without.
+
+Validation records are the non-members and the No CP-val chance level of every attack, so the
+ones a forced-through partition audit found overlapping the training data (a copy, a near-copy
+or a shared declared secret; ``PartitionSet.contaminated_validation``) are left out, with a log
+line saying how many.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from collections.abc import Sequence
@@ -23,6 +29,8 @@ from scpdr.attacks.exposure import Canary, CanarySpace, random_canaries
 from scpdr.attacks.pii import PIIRecord
 from scpdr.attacks.secrets import SecretTarget, secret_targets
 from scpdr.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MIA_POPULATIONS", "EvalData", "MIAPopulation", "select"]
 
@@ -148,6 +156,13 @@ class EvalData:
         non = select(pool_n, n, seed=seed, salt="mia-non")
         rest = [x for x in pool_n if not any(x is y for y in non)]
         null = select(rest, len(mem), seed=seed, salt="mia-null")
+        from scpdr.data.user_data import warn_few_nonmembers
+
+        warn_few_nonmembers(
+            len(non),
+            what=f"{self.corpus}: membership inference on {len(non)} validation records",
+            fix="hold out more validation records (--n-val, --val-fraction) or raise mia_n",
+        )
         return MIAPopulation(mem, non, None, null, "records")
 
     @staticmethod
@@ -186,7 +201,8 @@ class EvalData:
         constituent (``constituent <target>``, the No CP model when 0) is attacked — default the
         canaries' partition, else 0. Canary copies are left out of the training texts; the MIA
         suite's "records" members are the target partition's records, its non-members the
-        validation records; its "canaries" population is the membership canaries."""
+        validation records (less those the audit found overlapping the training data); its
+        "canaries" population is the membership canaries."""
         from scpdr.data.canaries import load_wordlist, wordlist_hash
 
         reg = pset.canaries
@@ -196,17 +212,27 @@ class EvalData:
             raise ConfigError(f"target partition {target} does not exist (k = {pset.k})")
         canary_ids = {r.id for r in reg.records()} if reg is not None else set()
         part = [r for r in pset.parts[target] if r.id not in canary_ids]
+        validation = pset.clean_validation()
+        if len(validation) < len(pset.validation):
+            logger.warning(
+                "%s: left %d of %d validation records out of the non-members: the partition "
+                "audit found them overlapping the training data (copies, near-copies or shared "
+                "secrets; the manifest's dataset.contaminated_validation)",
+                where,
+                len(pset.validation) - len(validation),
+                len(pset.validation),
+            )
         data = cls(
             corpus=corpus,
             train=[r.text for r in part],
-            validation=[r.text for r in pset.validation],
+            validation=[r.text for r in validation],
             pii=cls.pii_records(part),
-            pii_val=cls.pii_records(pset.validation),
+            pii_val=cls.pii_records(validation),
             members=list(part),
-            nonmembers=list(pset.validation),
+            nonmembers=list(validation),
             records=list(part),
             secrets=secret_targets(part, partition=target),
-            secrets_val=secret_targets(pset.validation),
+            secrets_val=secret_targets(validation),
         )
         if reg is not None:
             words = load_wordlist()

@@ -40,7 +40,7 @@ def partition(
         help="Built-in corpus (names2ids, pycode, pydocs), a .jsonl/.csv/.parquet file or a "
         "datasets dir.",
     ),
-    k: int = typer.Option(2, "--k", min=1, help="Number of disjoint partitions (= constituents)."),
+    k: int = typer.Option(2, "--k", help="Number of disjoint partitions (= constituents), >= 2."),
     out: Path = typer.Option(..., "--out", help="Output directory (must not exist)."),
     n_train: int | None = typer.Option(None, "--n-train", help="Training examples (all)."),
     n_val: int | None = typer.Option(
@@ -65,9 +65,11 @@ def partition(
 
     Writes --out DIR: manifest.json, partition-<i>.jsonl, validation.jsonl, canaries.json.
     """
-    from scpdr.data import DEFAULT_VAL_FRACTION, prepare_partitions
+    from scpdr.data import prepare_partitions
     from scpdr.errors import ConfigError
+    from scpdr.training.bundle import check_constituents
 
+    check_constituents(k, fix="use --k 2 or more")  # one partition trains nothing protectable
     if out.exists():  # before the (possibly long) grouping, and naming the CLI's fix
         raise ConfigError(f"--out {out} already exists; choose a new directory or remove it")
     legacy = _parse_fields(field)
@@ -80,7 +82,7 @@ def partition(
         seed=seed,
         n_train=n_train,
         n_val=n_val,
-        val_fraction=DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction,
+        val_fraction=val_fraction,  # None: the default carve (docs/data.md)
         fields=build(FIELD_OPTIONS, {**legacy, **field_options}),
         split=split,
         grouping=build(GROUPING_OPTIONS, grouping_options),
@@ -105,7 +107,8 @@ def audit_partitions(
     ),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON."),
 ) -> None:
-    """Check DIR's partitions for exact and near-duplicate overlaps; exit 1 on any overlap."""
+    """Check DIR's partitions for overlaps (exact, near-duplicate, declared secrets) with each
+    other and with the validation records; exit 1 on any overlap."""
     from scpdr.data import audit_partitions as audit
     from scpdr.data import load_partitions
     from scpdr.io import atomic_write_json
@@ -114,7 +117,13 @@ def audit_partitions(
     grouping = pset.manifest.grouping
     if threshold is not None:
         grouping = build(GROUPING_OPTIONS, {**grouping.model_dump(), "threshold": threshold})
-    report = audit(pset.manifest, pset.records(), grouping=grouping, canaries=pset.canaries)
+    report = audit(
+        pset.manifest,
+        pset.records(),
+        grouping=grouping,
+        canaries=pset.canaries,
+        validation=pset.validation,
+    )
     if json_out is not None:
         atomic_write_json(json_out, report.to_dict())
     typer.echo(report.summary())

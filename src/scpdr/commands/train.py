@@ -152,7 +152,7 @@ def train(
             )
         source: Any = pset
     else:
-        from scpdr.data import DEFAULT_VAL_FRACTION, ChatTemplate
+        from scpdr.data import ChatTemplate
 
         source = prepare_partitions(
             data,
@@ -160,7 +160,7 @@ def train(
             seed=seed,
             n_train=n_train,
             n_val=n_val,
-            val_fraction=DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction,
+            val_fraction=val_fraction,  # None: the default carve (docs/data.md)
             fields=build(FIELD_OPTIONS, field_options),
             split=split,
             grouping=build(GROUPING_OPTIONS, grouping_options),

@@ -1,13 +1,17 @@
 """The partition audit: are the partitions of a manifest disjoint, exactly and up to
-near-duplicates, are the canaries where they belong, and is every declared secret absent from at
-least one partition?
+near-duplicates, are the canaries where they belong, is every declared secret absent from at
+least one partition, and is the validation split apart from every partition?
 
 :func:`audit_partitions` re-checks a manifest against the records: ids in two partitions, exact
 duplicates and near-duplicates across partitions, records that changed since the manifest was
 written, canaries in the wrong place, and declared secrets (:mod:`scpdr.data.secrets`) found in
 the texts of several partitions (paper Def. 2.1: protection needs each example — and each secret —
 absent from at least one constituent's data). A secret in *every* partition fails the audit; in
-more than one but not all, it is a warning with counts. Reports name records, never a secret.
+more than one but not all, it is a warning with counts. Validation records are the attacks'
+non-members and the No CP-val chance level: one that is the same text as, a near-duplicate of, or
+shares a declared secret with a training record (``validation_overlaps``) fails the audit, and
+forced through it is named (:attr:`AuditReport.contaminated_validation`) so that the attacks
+leave it out. Reports name records, never a secret.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from scpdr.data.records import Record
 from scpdr.data.secrets import SecretOccurrence, secret_occurrences
 from scpdr.errors import PartitionAuditError
 
-__all__ = ["AuditReport", "Overlap", "audit_dir", "audit_partitions"]
+__all__ = ["AuditReport", "Overlap", "ValidationOverlap", "audit_dir", "audit_partitions"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,32 @@ class Overlap:
     jaccard: float = 1.0
 
 
+@dataclass(frozen=True)
+class ValidationOverlap:
+    """A validation record that the training data holds after all: the same text as
+    (``kind="exact"``), a near-duplicate of (``kind="near"``, with their shingle Jaccard) or
+    sharing a declared secret with (``kind="secret"``; ``secret`` names it by its record and
+    position, never its text) record ``record_id`` of partition ``partition``."""
+
+    kind: str
+    validation_id: str
+    record_id: str
+    partition: int
+    jaccard: float | None = None
+    secret: str | None = None
+
+    def describe(self) -> str:
+        what = {
+            "exact": "the same text as",
+            "near": f"a near-duplicate (Jaccard {self.jaccard or 0:.3f}) of",
+            "secret": f"sharing {self.secret} with",
+        }[self.kind]
+        return (
+            f"validation record {self.validation_id!r} is {what} {self.record_id!r} "
+            f"(partition {self.partition})"
+        )
+
+
 @dataclass
 class AuditReport:
     """Result of :func:`audit_partitions`; ``passed`` only if every list is empty."""
@@ -53,6 +83,8 @@ class AuditReport:
     canary_errors: list[str] = field(default_factory=list)
     secret_errors: list[SecretOccurrence] = field(default_factory=list)
     secret_warnings: list[SecretOccurrence] = field(default_factory=list)
+    num_validation: int = 0
+    validation_overlaps: list[ValidationOverlap] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -62,7 +94,13 @@ class AuditReport:
             or self.integrity_errors
             or self.canary_errors
             or self.secret_errors
+            or self.validation_overlaps
         )
+
+    @property
+    def contaminated_validation(self) -> list[str]:
+        """The ids of the validation records with an overlap (sorted): no non-members."""
+        return sorted({o.validation_id for o in self.validation_overlaps})
 
     def secret_warning(self) -> str | None:
         """One line on the secrets found in more than one partition (not all): counts only."""
@@ -91,6 +129,9 @@ class AuditReport:
                 "count": len(self.secret_warnings),
                 "secrets": [o.to_dict() for o in self.secret_warnings],
             },
+            "num_validation": self.num_validation,
+            "validation_overlaps": [o.__dict__ for o in self.validation_overlaps],
+            "contaminated_validation": self.contaminated_validation,
         }
 
     def summary(self) -> str:
@@ -106,6 +147,12 @@ class AuditReport:
                 if self.secret_errors
                 else ""
             )
+            + (
+                f"; {self.num_validation} validation records, "
+                f"{len(self.contaminated_validation)} overlapping the partitions"
+                if self.num_validation
+                else ""
+            )
         ]
         for o in (self.exact_overlaps + self.near_duplicate_overlaps)[:20]:
             lines.append(
@@ -114,6 +161,12 @@ class AuditReport:
             )
         lines += [f"  {e}" for e in (self.integrity_errors + self.canary_errors)[:20]]
         lines += [f"  {o.describe()} (every partition)" for o in self.secret_errors[:20]]
+        lines += [f"  {o.describe()}" for o in self.validation_overlaps[:20]]
+        if len(self.validation_overlaps) > 20:
+            lines.append(
+                f"  ... {len(self.validation_overlaps) - 20} more validation overlaps; "
+                f"contaminated validation records: {', '.join(self.contaminated_validation)}"
+            )
         warning = self.secret_warning()
         if warning:
             lines.append(f"  warning: {warning}")
@@ -127,7 +180,9 @@ class AuditReport:
         if self.passed:
             return
         failed = ", ".join(  # the non-empty lists: exact/near-duplicate overlaps, errors
-            k.replace("_", " ") for k, v in self.to_dict().items() if isinstance(v, list) and v
+            k.replace("_", " ")
+            for k, v in self.to_dict().items()
+            if isinstance(v, list) and v and k != "contaminated_validation"
         )
         secrets = (
             " A secret in every partition is in every constituent's data, so no aggregate can "
@@ -137,8 +192,17 @@ class AuditReport:
             if self.secret_errors
             else ""
         )
+        validation = (
+            " A validation record with a copy, a near-copy or a declared secret in the training "
+            "data is no non-member: every attack's chance level would be too lenient. Let "
+            "`scpdr partition` carve the validation split (whole near-duplicate groups, "
+            "--group-field groups and records sharing a secret), or remove those records from "
+            "the data's own validation split."
+            if self.validation_overlaps
+            else ""
+        )
         raise PartitionAuditError(
-            f"{self.summary()}\nFailed checks: {failed}.{secrets} Re-partition the data (`scpdr "
+            f"{self.summary()}\nFailed checks: {failed}.{secrets}{validation} Re-partition the data (`scpdr "
             "partition`) so that no record or near-duplicate is shared between partitions, or, "
             f"knowingly, override the audit ({override}); the override is recorded in the bundle."
         )
@@ -150,8 +214,10 @@ def audit_partitions(
     *,
     grouping: GroupingConfig | None = None,
     canaries: CanaryRegistry | None = None,
+    validation: Sequence[Record] = (),
 ) -> AuditReport:
-    """Check that the partitions of ``manifest`` are disjoint, exactly and up to near-duplicates.
+    """Check that the partitions of ``manifest`` are disjoint, exactly and up to near-duplicates,
+    and apart from the ``validation`` records.
 
     Args:
         manifest: the partition manifest.
@@ -160,16 +226,24 @@ def audit_partitions(
         grouping: near-duplicate parameters (default: the manifest's).
         canaries: if given, also check that every inserted copy sits in the canary partition and
             that no held-out canary appears in any partition.
+        validation: the held-out records (never partitioned): the attacks' non-members.
 
     Reports (i) ids listed in two partitions and equal content hashes in two partitions
     (``exact_overlaps``); (ii) cross-partition pairs with shingle Jaccard ``>= threshold``
     (``near_duplicate_overlaps``); (iii) manifest ids without a record or whose text no longer
     matches the manifest hash (``integrity_errors``); (iv) misplaced canaries; (v) declared
     secrets whose text occurs in every partition (``secret_errors``, k > 1) or in several
-    (``secret_warnings``; :func:`~scpdr.data.secrets.secret_occurrences`).
+    (``secret_warnings``; :func:`~scpdr.data.secrets.secret_occurrences`); (vi) validation
+    records with the same text as, a near-duplicate of, or a declared secret shared with a
+    partition's record (``validation_overlaps``).
     """
     grouping = grouping or manifest.grouping
-    report = AuditReport(k=manifest.k, num_records=manifest.num_records, grouping=grouping)
+    report = AuditReport(
+        k=manifest.k,
+        num_records=manifest.num_records,
+        grouping=grouping,
+        num_validation=len(validation),
+    )
     where = manifest.partition_of()
     by_id = {r.id: r for r in records}
 
@@ -200,26 +274,36 @@ def audit_partitions(
             elif prev[1] != entry.index and prev[0] != rid:
                 report.exact_overlaps.append(Overlap("exact", prev[0], prev[1], rid, entry.index))
 
-    # near-duplicates across partitions (over the records actually present; identical texts
-    # were reported by the hash pass above)
+    for v in validation:  # a validation text that a partition holds
+        hit = first_by_hash.get(v.hash)
+        if hit is not None:
+            report.validation_overlaps.append(ValidationOverlap("exact", v.id, *hit, 1.0))
+
+    # near-duplicates across partitions, and between validation and a partition (over the
+    # records actually present; identical texts were reported by the hash passes above)
     present = [
         (rid, entry.index, by_id[rid])
         for entry in manifest.partitions
         for rid in entry.ids
         if rid in by_id and where[rid][0] == entry.index
     ]
-    for i, j, jac in near_duplicate_pairs([r.text for _, _, r in present], grouping):
-        (a, pa, ra), (b, pb, rb) = present[i], present[j]
-        if pa != pb and ra.text != rb.text:
-            report.near_duplicate_overlaps.append(Overlap("near", a, pa, b, pb, jac))
+    texts = [r.text for _, _, r in present] + [v.text for v in validation]
+    for i, j, jac in near_duplicate_pairs(texts, grouping):
+        if j < len(present):
+            (a, pa, ra), (b, pb, rb) = present[i], present[j]
+            if pa != pb and ra.text != rb.text:
+                report.near_duplicate_overlaps.append(Overlap("near", a, pa, b, pb, jac))
+        elif i < len(present):
+            (a, pa, ra), v = present[i], validation[j - len(present)]
+            if ra.text != v.text:
+                report.validation_overlaps.append(ValidationOverlap("near", v.id, a, pa, jac))
 
-    if manifest.k > 1:
-        parts = [[by_id[i] for i in e.ids if i in by_id] for e in manifest.partitions]
-        for occ in secret_occurrences(parts):
-            if len(occ.records) == manifest.k:
-                report.secret_errors.append(occ)
-            else:
-                report.secret_warnings.append(occ)
+    _audit_secrets(
+        report,
+        manifest,
+        [[by_id[i] for i in e.ids if i in by_id] for e in manifest.partitions],
+        validation,
+    )
 
     if canaries is not None:
         for c in canaries.inserted:
@@ -242,9 +326,41 @@ def audit_partitions(
     return report
 
 
+def _audit_secrets(
+    report: AuditReport,
+    manifest: PartitionManifest,
+    parts: Sequence[Sequence[Record]],
+    validation: Sequence[Record],
+) -> None:
+    """The secret checks of :func:`audit_partitions`: a declared secret (of a partition's or a
+    validation record) in every partition (k > 1) fails, in several is a warning; in validation
+    and a partition is a validation overlap."""
+    val = len(parts)  # validation is the last "partition" searched
+    for occ in secret_occurrences([*parts, validation]):
+        in_parts = {p: ids for p, ids in occ.records.items() if p != val}
+        if val in occ.records:
+            name = f"secret {occ.index + 1} of record {occ.owner!r}"
+            for vid in occ.records[val]:
+                for p, ids in sorted(in_parts.items()):
+                    report.validation_overlaps.append(
+                        ValidationOverlap("secret", vid, ids[0], p, secret=name)
+                    )
+        if manifest.k > 1 and len(in_parts) > 1:
+            found = SecretOccurrence(occ.owner, occ.index, records=in_parts)
+            if len(in_parts) == manifest.k:
+                report.secret_errors.append(found)
+            else:
+                report.secret_warnings.append(found)
+
+
 def audit_dir(path: str | os.PathLike[str], **kwargs: Any) -> AuditReport:
-    """:func:`audit_partitions` on a directory written by :func:`save_partitions`."""
+    """:func:`audit_partitions` on a directory written by :func:`save_partitions` (its
+    validation records included)."""
     pset = load_partitions(path)
     return audit_partitions(
-        pset.manifest, pset.records(), canaries=kwargs.pop("canaries", pset.canaries), **kwargs
+        pset.manifest,
+        pset.records(),
+        canaries=kwargs.pop("canaries", pset.canaries),
+        validation=kwargs.pop("validation", pset.validation),
+        **kwargs,
     )

@@ -20,21 +20,19 @@ corpus.
 
 from __future__ import annotations
 
-import ast
-import inspect
 import logging
 import os
 import random
-import re
-import sysconfig
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from functools import lru_cache
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from scpdr.data.grouping import GroupingConfig
 from scpdr.data.records import DataError, FieldMapping, Record
-from scpdr.data.user_data import load_user_split
+from scpdr.data.secrets import SecretsConfig, add_secrets
+from scpdr.data.stdlib_mining import file_candidates, stdlib_files
+from scpdr.data.user_data import load_user_split, split_validation
 
 logger = logging.getLogger(__name__)
 
@@ -62,24 +60,6 @@ NAMES2IDS_LOCALES: tuple[str, ...] = (
     "pt_BR",
     "pl_PL",
     "sv_SE",
-)
-
-# Parts of the stdlib that are tests, demos, vendored code or GUI tooling, not library code.
-_EXCLUDED_PARTS = frozenset(
-    {
-        "site-packages",
-        "dist-packages",
-        "test",
-        "tests",
-        "idlelib",
-        "lib2to3",
-        "turtledemo",
-        "ensurepip",
-        "pydoc_data",
-        "__pycache__",
-        "tkinter",
-        "venv",
-    }
 )
 
 
@@ -156,69 +136,6 @@ def names2ids(*, n_train: int = 6000, n_val: int = 500, seed: int = 0) -> Corpus
 # --------------------------------------------------------------------------------- stdlib miners
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files (tests, demos, GUI and vendored code excluded), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        if any(part in _EXCLUDED_PARTS or part.startswith("config-") for part in rel.parts):
-            continue
-        out.append(p)
-    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _module_name(path: Path) -> str:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-def _iter_defs(
-    tree: ast.AST, prefix: str = ""
-) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef]]:
-    """Yield ``(qualname, node)`` for top-level functions/classes and methods of classes."""
-    for node in getattr(tree, "body", []):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            qual = f"{prefix}{node.name}"
-            yield qual, node
-            if isinstance(node, ast.ClassDef):
-                yield from _iter_defs(node, prefix=f"{qual}.")
-
-
-def _public(qualname: str) -> bool:
-    return not any(part.startswith("_") for part in qualname.split("."))
-
-
-@lru_cache(maxsize=8192)
-def _file_candidates(
-    path: str, name: str, params: tuple[tuple[str, int], ...]
-) -> tuple[tuple[str, str, str], ...]:
-    """``(source, prompt, response)`` candidates of one stdlib file (cached: parsing dominates)."""
-    tree = _parse(Path(path))
-    if tree is None:
-        return ()
-    extract = _EXTRACTORS[name]
-    module = _module_name(Path(path))
-    out = []
-    for qual, node in [("", tree), *_iter_defs(tree)]:
-        if not _public(qual):
-            continue
-        got = extract(module, qual, node, **dict(params))
-        if got is not None:
-            out.append((f"{module}.{qual}" if qual else module, *got))
-    return tuple(out)
-
-
-def _parse(path: Path) -> ast.Module | None:
-    try:
-        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-        return None
-
-
 def _mine(
     name: str,
     params: tuple[tuple[str, int], ...],
@@ -253,7 +170,7 @@ def _mine(
     for path in files:
         found = [
             c
-            for c in _file_candidates(str(path), name, params)
+            for c in file_candidates(str(path), name, params)
             if c[1] not in seen_prompts and c[2] not in seen_responses
         ]
         rng.shuffle(found)
@@ -269,69 +186,29 @@ def _mine(
             f"{n} requested; lower n_train/n_val"
         )
     rng.shuffle(pairs)
-    records = []
-    for i, (_src, prompt, response) in enumerate(pairs[:n]):
-        split, idx = ("train", i) if i < n_train else ("val", i - n_train)
-        records.append(
-            Record.make(id=f"{name}-{split}-{idx:06d}", prompt=prompt, response=response)
-        )
+    # validation: whole near-duplicate groups (a stdlib function and its near-copy elsewhere
+    # are both training or both validation: a non-member has no near-copy among the members)
+    drawn = [Record.make(id=str(i), prompt=p, response=r) for i, (_, p, r) in enumerate(pairs[:n])]
+    train, val = split_validation(drawn, n_val=n_val, seed=seed) if n_val else (drawn, [])
+    if len(val) != n_val:
+        raise DataError(f"{name}: near-duplicate groups leave {len(val)} of {n_val} validation")
+    named = {
+        split: [
+            Record.make(id=f"{name}-{split}-{j:06d}", prompt=r.prompt, response=r.response)
+            for j, r in enumerate(part)
+        ]
+        for split, part in (("train", train), ("val", val))
+    }
     return Corpus(
         name=name,
-        train=records[:n_train],
-        validation=records[n_train:],
-        meta={"seed": seed, "source": "python-stdlib", "sources": [s for s, _, _ in pairs[:n]]},
+        train=named["train"],
+        validation=named["val"],
+        meta={
+            "seed": seed,
+            "source": "python-stdlib",
+            "sources": [pairs[int(r.id)][0] for r in (*train, *val)],
+        },
     )
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s")
-
-
-def _first_sentence(doc: str) -> str:
-    para = inspect.cleandoc(doc).split("\n\n", 1)[0]
-    para = " ".join(para.split())
-    m = _SENTENCE_END.search(para)
-    return para[: m.start()] if m else para
-
-
-def _strip_docstring(
-    node: ast.FunctionDef | ast.AsyncFunctionDef,
-) -> ast.FunctionDef | ast.AsyncFunctionDef:
-    import copy
-
-    node = copy.deepcopy(node)
-    body = node.body
-    if (
-        body
-        and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant)
-        and isinstance(body[0].value.value, str)
-    ):
-        body = body[1:]
-    node.body = body
-    return node
-
-
-def _pycode_extract(
-    module: str, qual: str, node: ast.AST, *, max_chars: int
-) -> tuple[str, str] | None:
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    doc = ast.get_docstring(node)
-    if not doc:
-        return None
-    instruction = _first_sentence(doc)
-    if not 20 <= len(instruction) <= 300 or ">>>" in instruction:
-        return None
-    stripped = _strip_docstring(node)
-    if len(stripped.body) < 2:  # trivial one-liners (e.g. `return self._x`) teach nothing
-        return None
-    try:
-        code = ast.unparse(stripped)
-    except Exception:  # pragma: no cover - unparse handles everything parse produced
-        return None
-    if len(code) > max_chars:
-        return None
-    return f"Instruction: {instruction}\nCode:\n", code
 
 
 def pycode(
@@ -351,56 +228,6 @@ def pycode(
         seed=seed,
         max_per_module=8,
     )
-
-
-def _signature(node: ast.AST) -> str:
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return f"({ast.unparse(node.args)})"
-    if isinstance(node, ast.ClassDef):
-        for item in node.body:
-            if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-                args = ast.unparse(item.args)
-                args = re.sub(r"^self(, )?", "", args)
-                return f"({args})"
-    return ""
-
-
-def _prose(doc: str, *, max_chars: int) -> str:
-    """The docstring's prose: paragraphs up to the first doctest, capped at ``max_chars`` on a
-    paragraph (or, for a single long paragraph, sentence) boundary."""
-    paras = []
-    for para in inspect.cleandoc(doc).split("\n\n"):
-        if ">>>" in para:
-            break
-        para = para.strip()
-        if para:
-            paras.append(para)
-    out = ""
-    for para in paras:
-        candidate = f"{out}\n\n{para}" if out else para
-        if len(candidate) > max_chars:
-            if not out:  # one long paragraph: cut at the last sentence end that fits
-                cut = para[:max_chars]
-                ends = [m.start() for m in _SENTENCE_END.finditer(cut)]
-                out = cut[: ends[-1]] if ends else ""
-            break
-        out = candidate
-    return out
-
-
-def _pydocs_extract(
-    module: str, qual: str, node: ast.AST, *, min_chars: int, max_chars: int
-) -> tuple[str, str] | None:
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
-        return None
-    doc = ast.get_docstring(node)
-    if not doc:
-        return None
-    prose = _prose(doc, max_chars=max_chars)
-    if len(prose) < min_chars:
-        return None
-    title = f"{module}.{qual}{_signature(node)}" if qual else f"module {module}"
-    return f"Title: {title}\nAbstract:", f" {prose}"
 
 
 def pydocs(
@@ -427,11 +254,6 @@ def pydocs(
     )
 
 
-_EXTRACTORS: dict[str, Callable[..., tuple[str, str] | None]] = {
-    "pycode": _pycode_extract,
-    "pydocs": _pydocs_extract,
-}
-
 #: Registry of built-in corpora: name → builder(*, n_train, n_val, seed) (STYLE.md 5).
 CORPORA: dict[str, Callable[..., Corpus]] = {
     "names2ids": names2ids,
@@ -448,8 +270,10 @@ def load_corpus(
     seed: int = 0,
     fields: Mapping[str, str] | FieldMapping | None = None,
     split: str | None = None,
-    val_fraction: float = 0.0,
+    val_fraction: float | None = 0.0,
     chat: Callable[..., tuple[str, str]] | None = None,
+    secrets: SecretsConfig | None = None,
+    grouping: GroupingConfig | None = None,
 ) -> Corpus:
     """A built-in corpus by name (sizes default to the builder's) or a user file/directory
     (:func:`~scpdr.data.records.load_records`; ``chat`` renders chat records).
@@ -458,12 +282,21 @@ def load_corpus(
     for validation — whole data subjects (``group``) at a time — and a seeded random ``n_train``
     of the rest (all by default) are the training records, kept in file order; fewer than
     ``n_train`` left is a logged warning. A ``datasets`` directory's ``validation`` split is used
-    when ``n_val`` is not given (:func:`~scpdr.data.user_data.load_user_split`).
+    when ``n_val`` is not given (:func:`~scpdr.data.user_data.load_user_split`). The carve
+    holds out whole near-duplicate groups (``grouping``), data subjects and records sharing a
+    declared secret; ``secrets`` (patterns, detected PII) are added to every record first.
     """
     name = os.fspath(source)
     if name in CORPORA:
         sizes = {k: v for k, v in (("n_train", n_train), ("n_val", n_val)) if v is not None}
-        return CORPORA[name](seed=seed, **sizes)
+        corpus = CORPORA[name](seed=seed, **sizes)
+        if secrets is not None and secrets.active:
+            corpus = replace(
+                corpus,
+                train=add_secrets(corpus.train, secrets),
+                validation=add_secrets(corpus.validation, secrets),
+            )
+        return corpus
     path = Path(name)
     if not path.exists():
         raise DataError(
@@ -479,6 +312,8 @@ def load_corpus(
         split=split,
         val_fraction=val_fraction,
         chat=chat,
+        secrets=secrets,
+        grouping=grouping,
     )
     return Corpus(name=path.stem, train=train, validation=val, meta=meta)
 

@@ -8,23 +8,30 @@ signatures and LSH (datasketch) find candidate pairs, each verified by its *exac
 ``>= threshold``; exact duplicates (same content hash) are always paired; groups are the connected
 components (union-find). LSH can miss a pair whose Jaccard is close to the threshold (a false
 negative); pairs well above it are found with overwhelming probability.
+
+:func:`record_groups` is the one grouping of *records* that the partitions and the validation
+carve share: near-duplicates, joined by data subject (``Record.group``) and by declared secret.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from scpdr.data.records import Record
+from scpdr.data.secrets import secret_index
 from scpdr.errors import ConfigError
 
 __all__ = [
     "GroupingConfig",
     "group_near_duplicates",
     "jaccard",
+    "join_by_secret",
     "merge_groups",
     "near_duplicate_pairs",
+    "record_groups",
     "shingles",
 ]
 
@@ -150,3 +157,69 @@ def merge_groups(groups: Sequence[Sequence[int]], labels: Sequence[str | None]) 
     for i in range(n):
         merged.setdefault(uf.find(i), []).append(i)
     return sorted(merged.values(), key=lambda g: g[0])
+
+
+def join_by_secret(
+    groups: list[list[int]],
+    records: Sequence[Record],
+    *,
+    limit: int | None = None,
+    pins: Mapping[int, int] | None = None,
+) -> list[list[int]]:
+    """``groups`` (lists of indices into ``records``) with the groups of records that share a
+    declared secret joined — declared there or only mentioned (one email in two unrelated
+    records) — rarest secrets first. With ``limit``, a join is skipped when the joined group
+    would exceed ``limit`` records; with ``pins`` (``{index: partition}``), when it would hold
+    records pinned to two partitions. Same ordering as :func:`group_near_duplicates`."""
+    index = secret_index(records)
+    if not index:
+        return groups
+    pins = pins or {}
+    owner = {i: g for g, members in enumerate(groups) for i in members}
+    parent = list(range(len(groups)))
+    size = [len(g) for g in groups]
+    pin: list[set[int]] = [{pins[i] for i in g if i in pins} for g in groups]
+
+    def find(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    for _, where in sorted(index.items(), key=lambda kv: (len(kv[1]), kv[0])):
+        roots = sorted({find(owner[i]) for i in where})
+        if len(roots) < 2:
+            continue
+        pinned = set().union(*(pin[r] for r in roots))
+        if (limit is not None and sum(size[r] for r in roots) > limit) or len(pinned) > 1:
+            continue
+        for r in roots[1:]:
+            parent[r] = roots[0]
+            size[roots[0]] += size[r]
+            pin[roots[0]] |= pin[r]
+    merged: dict[int, list[int]] = {}
+    for g, members in enumerate(groups):
+        merged.setdefault(find(g), []).extend(members)
+    return sorted((sorted(m) for m in merged.values()), key=lambda g: g[0])
+
+
+def record_groups(
+    records: Sequence[Record],
+    grouping: GroupingConfig | None = None,
+    *,
+    secrets: bool = True,
+    secret_limit: int | None = None,
+    pins: Mapping[int, int] | None = None,
+) -> list[list[int]]:
+    """The groups of ``records`` (lists of indices) that must stay together: near-duplicate
+    texts (:func:`group_near_duplicates`), joined by data subject (:attr:`Record.group`,
+    ``--group-field``) and — when ``secrets`` — by shared declared secret
+    (:func:`join_by_secret`, with its ``secret_limit`` and ``pins``). The partitions
+    (:func:`scpdr.data.partition.partition_records`) and the validation carve
+    (:func:`scpdr.data.user_data.split_validation`) deal out these groups whole."""
+    groups = group_near_duplicates([r.text for r in records], grouping=grouping)
+    if any(r.group is not None for r in records):  # a data subject's records stay together
+        groups = merge_groups(groups, [r.group for r in records])
+    if secrets:
+        groups = join_by_secret(groups, records, limit=secret_limit, pins=pins)
+    return groups

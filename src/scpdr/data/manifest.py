@@ -25,6 +25,7 @@ from scpdr.io import atomic_write_json, read_json
 
 __all__ = [
     "CANARIES_NAME",
+    "CONTAMINATED_VALIDATION",
     "MANIFEST_NAME",
     "VALIDATION_NAME",
     "PartitionEntry",
@@ -38,6 +39,9 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 CANARIES_NAME = "canaries.json"
 VALIDATION_NAME = "validation.jsonl"
+#: The manifest's ``dataset`` key listing the validation records that a forced-through audit
+#: found overlapping the partitions (:attr:`PartitionSet.clean_validation` leaves them out).
+CONTAMINATED_VALIDATION = "contaminated_validation"
 
 
 def partition_file(i: int) -> str:
@@ -110,6 +114,18 @@ class PartitionSet:
 
     def records(self) -> list[Record]:
         return [r for part in self.parts for r in part]
+
+    @property
+    def contaminated_validation(self) -> list[str]:
+        """The ids of the validation records the audit found overlapping the partitions (a
+        copy, a near-copy or a declared secret in the training data), recorded when the
+        audit was overridden: no non-members."""
+        return list(self.manifest.dataset.get(CONTAMINATED_VALIDATION) or [])
+
+    def clean_validation(self) -> list[Record]:
+        """The validation records less :attr:`contaminated_validation`: the non-members."""
+        drop = set(self.contaminated_validation)
+        return [r for r in self.validation if r.id not in drop]
 
 
 def save_partitions(

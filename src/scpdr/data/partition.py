@@ -17,7 +17,8 @@ partition lets every constituent learn it. So partitioning here
    smallest partition) in a seeded order; groups containing a *pinned* record (e.g. canary copies,
    which must all land in one chosen partition) go to that partition.
 
-Grouping lives in :mod:`scpdr.data.grouping`, the manifest and the files in
+Grouping lives in :mod:`scpdr.data.grouping` (:func:`~scpdr.data.grouping.record_groups`, which
+the validation carve shares), the manifest and the files in
 :mod:`scpdr.data.manifest`, the audit (:func:`audit_partitions`) in :mod:`scpdr.data.audit`; this
 module re-exports their public names.
 """
@@ -30,7 +31,7 @@ from typing import Any
 
 from scpdr.data.audit import AuditReport, Overlap, audit_dir, audit_partitions
 from scpdr.data.canaries import CanaryRegistry
-from scpdr.data.grouping import GroupingConfig, group_near_duplicates, merge_groups, shingles
+from scpdr.data.grouping import GroupingConfig, group_near_duplicates, record_groups, shingles
 from scpdr.data.manifest import (
     PartitionEntry,
     PartitionManifest,
@@ -39,7 +40,6 @@ from scpdr.data.manifest import (
     save_partitions,
 )
 from scpdr.data.records import DataError, Record, records_hash
-from scpdr.data.secrets import secret_index
 
 __all__ = [
     "AuditReport",
@@ -112,10 +112,16 @@ def partition_records(
         if not 0 <= p < k:
             raise DataError(f"id {rid!r} is pinned to partition {p}, outside 0..{k - 1}")
 
-    groups = group_near_duplicates([r.text for r in records], grouping=grouping)
-    if any(r.group is not None for r in records):  # a data subject's records stay together
-        groups = merge_groups(groups, [r.group for r in records])
-    groups = _join_by_secret(groups, records, k=k, pins={index[i]: p for i, p in pins.items()})
+    # near-duplicates, data subjects, and records sharing a declared secret when the joined
+    # group fits a partition's fair share (ceil(records / k)) and no two pins disagree: such a
+    # secret stays spread, and the audit names it (refused in every partition, else a warning)
+    groups = record_groups(
+        records,
+        grouping,
+        secrets=k >= 2,
+        secret_limit=-(-len(records) // k),
+        pins={index[i]: p for i, p in pins.items()},
+    )
     group_pin: list[int | None] = []
     for g in groups:
         targets = {pins[ids[i]] for i in g if ids[i] in pins}
@@ -171,43 +177,3 @@ def partition_records(
     return PartitionSet(
         manifest=manifest, parts=parts, validation=list(validation), canaries=canaries
     )
-
-
-def _join_by_secret(
-    groups: list[list[int]], records: Sequence[Record], *, k: int, pins: Mapping[int, int]
-) -> list[list[int]]:
-    """``groups`` with the groups of records that share a declared secret joined (the secret
-    then sits in one partition), rarest secrets first. A join is skipped when the joined group
-    would exceed a partition's fair share (ceil(records / k)) or hold records pinned to two
-    partitions: those secrets stay spread, and the audit names them (refused when in every
-    partition, a warning when in several)."""
-    index = secret_index(records)
-    if not index or k < 2:
-        return groups
-    limit = -(-len(records) // k)
-    owner = {i: g for g, members in enumerate(groups) for i in members}
-    parent = list(range(len(groups)))
-    size = [len(g) for g in groups]
-    pin: list[set[int]] = [{pins[i] for i in g if i in pins} for g in groups]
-
-    def find(g: int) -> int:
-        while parent[g] != g:
-            parent[g] = parent[parent[g]]
-            g = parent[g]
-        return g
-
-    for _, where in sorted(index.items(), key=lambda kv: (len(kv[1]), kv[0])):
-        roots = sorted({find(owner[i]) for i in where})
-        if len(roots) < 2:
-            continue
-        pinned = set().union(*(pin[r] for r in roots))
-        if sum(size[r] for r in roots) > limit or len(pinned) > 1:
-            continue
-        for r in roots[1:]:
-            parent[r] = roots[0]
-            size[roots[0]] += size[r]
-            pin[roots[0]] |= pin[r]
-    merged: dict[int, list[int]] = {}
-    for g, members in enumerate(groups):
-        merged.setdefault(find(g), []).extend(members)
-    return sorted((sorted(m) for m in merged.values()), key=lambda g: g[0])

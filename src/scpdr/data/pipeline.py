@@ -21,7 +21,7 @@ from scpdr.data.audit import AuditReport, audit_partitions
 from scpdr.data.canaries import CanaryConfig, CanaryRegistry, make_canaries
 from scpdr.data.corpora import Corpus, load_corpus
 from scpdr.data.grouping import GroupingConfig
-from scpdr.data.manifest import PartitionSet, save_partitions
+from scpdr.data.manifest import CONTAMINATED_VALIDATION, PartitionSet, save_partitions
 from scpdr.data.partition import partition_records
 from scpdr.data.records import DataError, FieldMapping
 from scpdr.data.secrets import SecretsConfig, add_secrets, check_secret_field
@@ -58,7 +58,9 @@ def checked_audit(
     and the fixes (``override``: how the caller's user overrides it) unless
     ``allow_failed_audit``; ``overridden`` is true when the audit failed and was let through.
     """
-    report = audit_partitions(pset.manifest, pset.records(), canaries=pset.canaries)
+    report = audit_partitions(
+        pset.manifest, pset.records(), canaries=pset.canaries, validation=pset.validation
+    )
     warning = report.secret_warning()
     if warning:
         logger.warning("partition audit: %s", warning)
@@ -66,6 +68,15 @@ def checked_audit(
         if not allow_failed_audit:
             report.raise_if_failed(override)
         logger.warning("partition audit FAILED; continuing because it was overridden")
+        if report.contaminated_validation:
+            logger.warning(
+                "partition audit: %d of %d validation records overlap the partitions (%s); "
+                "the attacks leave them out of the non-members",
+                len(report.contaminated_validation),
+                report.num_validation,
+                ", ".join(report.contaminated_validation[:10])
+                + (" ..." if len(report.contaminated_validation) > 10 else ""),
+            )
     return report, bool(allow_failed_audit and not report.passed)
 
 
@@ -96,7 +107,7 @@ def prepare_partitions(
     seed: int = 0,
     n_train: int | None = None,
     n_val: int | None = None,
-    val_fraction: float = 0.0,
+    val_fraction: float | None = 0.0,
     fields: FieldMapping | Mapping[str, str] | None = None,
     split: str | None = None,
     grouping: GroupingConfig | None = None,
@@ -118,19 +129,26 @@ def prepare_partitions(
         seed: seeds the data (built-in corpora, the validation split), the canaries (when their
             ``seed`` is ``None``) and the assignment of groups to partitions.
         n_train, n_val, val_fraction, fields, split, chat: how a corpus is loaded (see
-            :func:`~scpdr.data.corpora.load_corpus`; ignored for a :class:`Corpus`). A
+            :func:`~scpdr.data.corpora.load_corpus`; ignored for a :class:`Corpus`;
+            ``val_fraction=None``: the default carve,
+            :func:`~scpdr.data.user_data.default_val_size`). A
             ``fields.group`` column keeps each data subject in one partition (and holds
             validation records out by subject); ``fields.secrets`` declares secret spans.
         grouping: near-duplicate grouping (default :class:`GroupingConfig`).
         canaries: canaries to make and insert into ``canaries.partition`` (none by default).
         secrets: more secrets: pattern matches and detected PII
-            (:func:`~scpdr.data.secrets.add_secrets`); every declared secret is then checked by
-            the audit (in every partition: refused; in several: a warning).
+            (:func:`~scpdr.data.secrets.add_secrets`, before a user file's validation carve, so
+            that records sharing one are held out together); every declared secret is then
+            checked by the audit (in every partition: refused; in several: a warning; in
+            validation and a partition: refused).
         out: the partition directory to write (:func:`~scpdr.data.manifest.save_partitions`);
             ``None`` keeps them in memory. An existing ``out`` is refused before any work unless
             ``overwrite``.
-        allow_failed_audit: let a failing audit through (recorded as ``overridden``); otherwise it
-            raises :class:`~scpdr.errors.PartitionAuditError` and nothing is written.
+        allow_failed_audit: let a failing audit through (recorded as ``overridden``; the ids of
+            validation records that overlap the partitions go to the manifest's
+            ``dataset["contaminated_validation"]``, which the attacks leave out of the
+            non-members); otherwise it raises :class:`~scpdr.errors.PartitionAuditError` and
+            nothing is written.
         override: how the caller's user overrides the audit, named in that error.
 
     The manifest records the dataset's provenance (name, seed, and for a file its resolved path,
@@ -153,10 +171,12 @@ def prepare_partitions(
             split=split,
             val_fraction=val_fraction,
             chat=chat,
+            secrets=secrets,
+            grouping=grouping,
         )
     )
     train, validation = corpus.train, corpus.validation
-    if secrets is not None and secrets.active:
+    if isinstance(data, Corpus) and secrets is not None and secrets.active:
         train, validation = add_secrets(train, secrets), add_secrets(validation, secrets)
     mapping = fields.to_dict() if isinstance(fields, FieldMapping) else dict(fields or {})
     check_secret_field([*train, *validation], mapping.get("secrets"))
@@ -189,5 +209,7 @@ def prepare_partitions(
     report, overridden = checked_audit(
         pset, allow_failed_audit=allow_failed_audit, override=override
     )
+    if report.contaminated_validation:  # forced through: the attacks leave them out
+        pset.manifest.dataset[CONTAMINATED_VALIDATION] = report.contaminated_validation
     path = save_partitions(out, pset, overwrite=overwrite) if out is not None else None
     return PreparedPartitions(pset=pset, audit=report, overridden=overridden, path=path)

@@ -127,7 +127,7 @@ def run_train(ctx: StageContext) -> None:
 
 
 def _validation_texts(pset: Any, n: int | None = None) -> list[str]:
-    texts = [r.text for r in pset.validation]
+    texts = [r.text for r in pset.clean_validation()]
     return texts[:n] if n is not None else texts
 
 

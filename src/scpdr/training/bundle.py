@@ -128,7 +128,7 @@ def train_bundle(
     if not is_main_process():  # the main process writes the bundle
         wait_for_everyone()
         return out
-    prompts = list(constant_base_prompts or [r.text for r in pset.validation[:100]])
+    prompts = list(constant_base_prompts or [r.text for r in pset.clean_validation()[:100]])
     vec = None
     if prompts:
         base_model = load_model(base)
