@@ -2,8 +2,8 @@
 
 The general path loads every adapter merged into its own copy of the base (scpdr.models), one
 forward per model; the fast path runs base + K adapters as one stacked batch. Every method must
-give the same log-probs (1e-4), certificates and greedy tokens, batched with padding; anything
-the fast path does not support must fall back with a logged reason.
+give the same log-probs (to float32 rounding: ATOL), certificates and greedy tokens, batched
+with padding; anything the fast path does not support must fall back with a logged reason.
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ ADAPTERS = [
 ]
 PROMPTS = ["My secret code is", "Hello there, how are you doing today", "x"]
 MAX_NEW = [4, 7, 5]  # rows finish at different steps: the stacked cache drops rows mid-decode
-ATOL = 1e-4
+#: The fast path (W·x + s·B(A·x), stacked groups, the packed kernel) and the general path ((W +
+#: s·BA)·x, one model at a time) round differently in every layer: log-probs (|log p| <= 20, the
+#: e^-20 floor) agree to 64 float32 ulps of 20 (2 layers × 4 reductions × 2 ulps, × 2 through
+#: log-softmax, × 2 through the rule), 1.5e-4.
+ATOL = testing.f32_tol(20.0, ops=64)
 VARIANT = {"model": "b", "constant": "c", None: None}
 # (rule, variant) of every aggregating result row but "none" (one model: no fast path)
 SPECS = [s for s in methods.SPECS.values() if s.kind == "aggregate" and s.rule != "none"]
@@ -414,6 +418,7 @@ def test_full_model_constituent_falls_back_with_reason(lora, caplog):
         [lora["merged"][0], models.load_model(root / "full")], lora["tok"], base_model=lora["base"]
     )
     enc = _encode(lora["tok"], "right")
+    # the fallback is the general path: the same models and forwards, the same arithmetic
     torch.testing.assert_close(
         lm.score(enc["input_ids"], enc["attention_mask"]),
         general.score(enc["input_ids"], enc["attention_mask"]),

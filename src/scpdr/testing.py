@@ -26,9 +26,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "F32_EPS",
     "HELD_OUT_PROMPTS",
     "correlated_logits",
     "extreme_logits",
+    "f32_normalized_tol",
+    "f32_tol",
     "finetune_on_text",
     "make_tiny_bundle",
     "perturbed_copy",
@@ -37,6 +40,51 @@ __all__ = [
     "tiny_model",
     "tiny_tokenizer",
 ]
+
+
+#: float32's machine epsilon (2^-23): one rounding changes a value ``v`` by at most ``eps·|v|/2``.
+F32_EPS = 2.0**-23
+
+
+def f32_tol(*magnitudes: Any, ops: float = 1.0) -> float:
+    """An absolute tolerance for comparing two float32 computations of one quantity that do not
+    run the same arithmetic (teacher-forced vs KV-cached forwards, batched vs unbatched, a C
+    kernel vs torch, another ISA build or thread count): ``ops · eps32 · M``.
+
+    ``M`` is the largest finite ``|value|`` among ``magnitudes`` (tensors, arrays or numbers: the
+    operands and results whose rounding the two paths differ in — e.g. the log-probs a charge is
+    a difference of), at least 1 (a result near 0 is still computed from operands of order 1;
+    NaN and ±inf entries are left out); ``ops`` bounds the number of roundings, each at most
+    ``eps32 · M``, by which the two paths may differ along the longer one (the terms of a
+    reduction summed in another order, the chained layers of a forward). Say in the test how
+    ``ops`` was counted.
+    """
+    import torch
+
+    if not magnitudes:
+        raise ValueError("f32_tol needs at least one magnitude")
+    if not ops > 0:
+        raise ValueError(f"ops must be > 0, got {ops!r}")
+    biggest = 0.0
+    for value in magnitudes:
+        t = torch.as_tensor(value).detach().double().abs()
+        t = t[torch.isfinite(t)]
+        if t.numel():
+            biggest = max(biggest, float(t.max()))
+    return float(ops) * F32_EPS * max(biggest, 1.0)
+
+
+def f32_normalized_tol(vocab: int, *values: Any) -> float:
+    """:func:`f32_tol` for float32 log-probs normalized over ``vocab`` terms (log-softmax, the
+    rules' final normalization), against float64 or another float32 implementation.
+
+    The normalizer is a float32 sum of ``vocab`` terms that a vectorized loop accumulates in L
+    lanes, each a sequential sum of ``vocab / L`` terms, so its relative error is at most
+    ``(vocab / L) · eps32 / 2`` (Higham's bound); with L >= 4 (SSE, NEON; AVX2 has 8, AVX-512
+    16) at most ``vocab · eps32 / 8``, which the log turns into the same absolute error in every
+    log-prob. Plus 16 roundings of the largest of ``values`` (exp, log, the floor, subtracting
+    the normalizer, a rule's few pointwise steps)."""
+    return vocab / 8 * F32_EPS + f32_tol(*values, ops=16)
 
 
 def correlated_logits(
