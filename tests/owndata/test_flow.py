@@ -19,6 +19,7 @@ from scpdr import methods
 from scpdr.attacks.secrets import COUNTERFACTUAL_METRICS
 from scpdr.cli import main
 from scpdr.data import load_partitions, secret_occurrences
+from scpdr.data.user_data import DEFAULT_VAL_RULE, default_val_size
 from scpdr.export import verify_export
 
 SCP_B = methods.resolve("scp-delta-r").name
@@ -51,7 +52,9 @@ def test_train_keeps_groups_and_secrets_in_one_partition(flow):
     assert info["plan"]["warmup_steps"] <= 0.1 * info["plan"]["total_steps"]
     assert not info["plan"]["packing"]
     extra = json.loads((flow["B"] / "scpdr.json").read_text())["extra"]
-    assert extra["dataset"]["validation"]["fraction"] == 0.1
+    validation = extra["dataset"]["validation"]
+    assert validation["rule"] == DEFAULT_VAL_RULE  # no --val-fraction: the default carve
+    assert 0 < validation["records"] <= default_val_size(len(flow["rows"]))  # whole groups
 
 
 def test_eval_prints_the_table_and_writes_secret_rows_and_risk_lines(flow, capsys):
