@@ -511,7 +511,7 @@ def test_the_experiment_prepares_and_trains_with_the_librarys_one_config(tiny_ru
     want = cfg.train.model_copy(update={"seed": cfg.seed, "progress": False}).resolved()
     assert trained_with("train/names2ids/c0") == want
     assert trained_with("train/names2ids/c1") == want
-    (baseline,) = methods.BASELINE_METHODS  # its stage: train/<corpus>/<row name>
+    baseline = methods.GOLDFISH  # its stage: train/<corpus>/<row name>
     goldfish = cfg.baselines.goldfish
     assert goldfish is not None
     assert trained_with(f"train/names2ids/{baseline}") == want.model_copy(

@@ -14,8 +14,11 @@ Two kinds of names:
   constituents);
 - **result rows** (:data:`SPECS`): what ``results.json``, the report and the CLI's ``--methods``
   name: a rule plus the base its smoothing uses ('b': the base model, 'c': a constant base vector,
-  paper §5.1), the training-time baselines evaluated as one model ("goldfish"), and the reference
-  rows ("none-val": No CP on data no constituent saw; "ste": the paper's STE row).
+  paper §5.1), the training-time baselines evaluated as one model ("goldfish"; "dp-eps1",
+  "dp-eps8": one model trained with DP-SGD on all partitions together, what a user would deploy
+  instead), a NAF rule over constituents trained another way ("scp-delta-r-b+dp8": SCP-Δr-b over
+  constituents trained with DP-SGD at ε = 8), and the reference rows ("none-val": No CP on data
+  no constituent saw; "ste": the paper's STE row).
 
 :func:`resolve` maps a row name or an alias ("scp-delta-r" is SCP-Δr-b) to its :class:`MethodSpec`,
 or raises the one error naming the known names.
@@ -33,9 +36,12 @@ __all__ = [
     "AGGREGATE_METHODS",
     "BASELINE_METHODS",
     "BOUND_METHODS",
+    "DP_METHODS",
+    "GOLDFISH",
     "MAIN_TABLE_METHODS",
     "METHOD_ORDER",
     "REFERENCE_METHODS",
+    "RETRAINED_METHODS",
     "RULES",
     "SMOOTHED_RULES",
     "SPECS",
@@ -51,7 +57,7 @@ __all__ = [
 ]
 
 Base = Literal["model", "constant"]
-Kind = Literal["aggregate", "single", "reference"]
+Kind = Literal["aggregate", "single", "retrained", "reference"]
 Divergence = Literal["max", "kl", "relative-max"]
 
 
@@ -71,10 +77,13 @@ class MethodSpec:
         label: display name in the paper's notation.
         color: the plot colour.
         kind: "aggregate" (a NAF rule over the K constituents, or No CP = constituent 0),
-            "single" (a training-time baseline evaluated as one model) or "reference" (rows an
+            "single" (a training-time baseline evaluated as one model), "retrained" (a NAF rule
+            over K constituents trained another way: its own bundle) or "reference" (rows an
             attack adds for comparison, never requested as a method).
         main_order: position in the paper's main table (Table 3), ``None`` when not in it.
         aliases: other names :func:`resolve` accepts for it.
+        dp_epsilon: the ε its models are trained to with DP-SGD (``scpdr.training.dp``), None
+            for non-DP rows; a "single" DP row is one model on all partitions together.
     """
 
     name: str
@@ -85,6 +94,7 @@ class MethodSpec:
     kind: Kind = "aggregate"
     main_order: int | None = None
     aliases: tuple[str, ...] = field(default=())
+    dp_epsilon: float | None = None
 
     @property
     def smoothed(self) -> bool:
@@ -166,6 +176,17 @@ SPECS: dict[str, MethodSpec] = {
         ),
         MethodSpec("scp-delta-c", "scp-delta", "constant", "SCP-Δ-c (raw)", "#f7b6d2"),
         MethodSpec("goldfish", "none", None, "Goldfish", "#bcbd22", kind="single"),
+        MethodSpec("dp-eps1", "none", None, "DP (ε=1)", "#393b79", kind="single", dp_epsilon=1.0),
+        MethodSpec("dp-eps8", "none", None, "DP (ε=8)", "#6b6ecf", kind="single", dp_epsilon=8.0),
+        MethodSpec(
+            "scp-delta-r-b+dp8",
+            "scp-delta-r",
+            "model",
+            "SCP-Δr-b + DP (ε=8)",
+            "#98df8a",
+            kind="retrained",
+            dp_epsilon=8.0,
+        ),
         MethodSpec("none-val", "none", None, "No CP-val", "#999999", kind="reference"),
         MethodSpec("ste", "none", None, "STE", "#c7c7c7", kind="reference"),
     )
@@ -185,8 +206,18 @@ METHOD_ORDER: tuple[str, ...] = tuple(s.name for s in SPECS.values() if s.kind !
 #: Rows a bundle computes by itself: every NAF rule over its K constituents (and No CP =
 #: constituent 0), in table order. ``scpdr eval``'s and an experiment's requestable methods.
 AGGREGATE_METHODS: tuple[str, ...] = tuple(n for n, s in SPECS.items() if s.kind == "aggregate")
-#: Training-time baselines, evaluated as a single model like No CP.
-BASELINE_METHODS: frozenset[str] = frozenset(s.name for s in SPECS.values() if s.kind == "single")
+#: Training-time baselines: evaluated as a single model like No CP ("single"), or a NAF rule over
+#: constituents trained another way ("retrained"). Their NAS is read on the scale the other rows
+#: set (``scpdr.attacks.nas``).
+BASELINE_METHODS: frozenset[str] = frozenset(
+    s.name for s in SPECS.values() if s.kind in ("single", "retrained")
+)
+#: The goldfish-loss baseline (Hans et al. 2024): partition 0 trained with goldfish loss.
+GOLDFISH: str = "goldfish"
+#: Rows whose models are trained with DP-SGD, in table order (their ε: ``dp_epsilon``).
+DP_METHODS: tuple[str, ...] = tuple(s.name for s in SPECS.values() if s.dp_epsilon is not None)
+#: NAF rules over constituents trained another way (their own bundle).
+RETRAINED_METHODS: tuple[str, ...] = tuple(n for n, s in SPECS.items() if s.kind == "retrained")
 #: Rows attacks add for comparison (never requested as methods).
 REFERENCE_METHODS: tuple[str, ...] = tuple(s.name for s in SPECS.values() if s.kind == "reference")
 #: Rows with per-position bounds (k_x, t_x; v_x where :attr:`MethodSpec.has_v_x`).

@@ -145,7 +145,9 @@ class BundleScorers(Mapping[str, Scorer]):
 
         self.path = Path(path)
         self.singles = {M.resolve(k).name: str(v) for k, v in (singles or {}).items()}
-        allowed = (*BUNDLE_METHODS, *self.singles)
+        # a "retrained" row (SCP-Δr-b over DP constituents) is its rule over THIS bundle: the
+        # caller passes the bundle of those constituents
+        allowed = (*BUNDLE_METHODS, *M.RETRAINED_METHODS, *self.singles)
         self.methods = list(dict.fromkeys(M.resolve(n, allowed=allowed).name for n in methods))
         self.manifest = models.read_bundle(self.path)
         bases = [M.SPECS[n].base for n in self.methods if n not in self.singles]
@@ -291,7 +293,9 @@ def load_scorers(
 
     ``m``: the SCP smoothing level (default: the bundle's). ``reference``: p0 for LiRA
     (:meth:`BundleScorers.reference_of`). ``singles``: training-time baselines evaluated as one
-    model, ``{row name: model dir}``. ``device``: cpu, cuda or cuda:N (default: cuda when
+    model, ``{row name: model dir}``. A "retrained" row (:data:`scpdr.methods.RETRAINED_METHODS`,
+    e.g. SCP-Δr-b over DP-trained constituents) runs its rule over the bundle at ``path``: pass
+    the bundle of those constituents. ``device``: cpu, cuda or cuda:N (default: cuda when
     available; on CUDA the models load in bf16 unless ``dtype`` says otherwise, and the
     aggregation stays fp32). Raises :class:`~scpdr.methods.UnknownMethodError` for an
     unknown method and :class:`ConfigError` when the bundle lacks a base a method needs — before

@@ -16,6 +16,9 @@ min-k++   mean of the k% lowest (log r(y_t) − μ_t) / σ_t, μ_t and σ_t² th
 ref       sum_t [log r(y_t | y_<t) − log b(y_t | y_<t)], b = the bundle's base model   base model
 lira      sum_t [log r_1(y_t | y_<t) − log r_0(y_t | y_<t)], r_0 = the method over p0  (offline
           trained without the members (§4.2, Thm 4.5: the worst-case reference)        LiRA)
+rmia      Pr_z[LR(y) / LR(z) ≥ γ], LR = r / ((1+a)/2 · ref + (1−a)/2) on per-token     LiRA's
+          geometric means, z the non-members (never y itself); Zarifzadeh et al.      (p0), else
+          2024, :mod:`scpdr.attacks.rmia`                                              the base
 ========  ===========================================================================  ===========
 
 ``ref`` and ``lira`` are log-likelihood ratios of the scored continuation (the chain rule sums
@@ -46,6 +49,7 @@ import numpy as np
 
 from scpdr.attacks.examples import cached_token_logprobs, example_ids
 from scpdr.attacks.results import ResultRow
+from scpdr.attacks.rmia import DEFAULT_A, DEFAULT_GAMMA, log_ratio, rmia_scores
 from scpdr.attacks.scorer import batched_position_stats, scorer_name
 from scpdr.attacks.stats import FPR_LEVELS, N_BOOT, RocMetrics, roc_metrics
 
@@ -71,7 +75,7 @@ __all__ = [
 ]
 
 #: The suite, in report order.
-MIA_ATTACKS: tuple[str, ...] = ("loss", "zlib", "min-k", "min-k++", "ref", "lira")
+MIA_ATTACKS: tuple[str, ...] = ("loss", "zlib", "min-k", "min-k++", "ref", "lira", "rmia")
 #: Display names of the attacks (report tables and plots).
 MIA_LABELS: dict[str, str] = {
     "loss": "LOSS",
@@ -80,6 +84,7 @@ MIA_LABELS: dict[str, str] = {
     "min-k++": "Min-K%++",
     "ref": "Ref (base)",
     "lira": "LiRA (p0)",
+    "rmia": "RMIA",
 }
 #: Attacks that need no reference model.
 REFERENCE_FREE: tuple[str, ...] = ("loss", "zlib", "min-k", "min-k++")
@@ -216,9 +221,11 @@ def mia_rows(
     n_boot: int = N_BOOT,
     seed: int = 0,
     extra: Mapping[str, object] | None = None,
+    attack_extra: Mapping[str, Mapping[str, object]] | None = None,
 ) -> list[ResultRow]:
     """Result rows of every attack ``scores`` holds: metrics :data:`MIA_METRICS`, each with
-    ``ci_low``/``ci_high``, ``n_members``, ``n_nonmembers`` (``n`` = both together)."""
+    ``ci_low``/``ci_high``, ``n_members``, ``n_nonmembers`` (``n`` = both together), plus
+    ``extra`` and ``attack_extra[attack]`` (e.g. which reference RMIA used)."""
     rows = []
     for attack in scores.attacks():
         met = scores.metrics(attack, n_boot=n_boot, seed=seed)
@@ -238,6 +245,7 @@ def mia_rows(
                         "n_members": met.n_members,
                         "n_nonmembers": met.n_nonmembers,
                         **(extra or {}),
+                        **((attack_extra or {}).get(attack) or {}),
                     },
                 )
             )
@@ -257,6 +265,7 @@ class MIAResult:
 
     scores: MIAScores
     population: str = "records"
+    attack_extra: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def rows(
         self, *, method: str | None = None, corpus: str | None = None, seed: int = 0
@@ -264,7 +273,13 @@ class MIAResult:
         sc = self.scores
         if method is not None and method != sc.method:
             sc = MIAScores(method, sc.members, sc.nonmembers)
-        return mia_rows(sc, corpus=corpus, seed=seed, extra={"population": self.population})
+        return mia_rows(
+            sc,
+            corpus=corpus,
+            seed=seed,
+            extra={"population": self.population},
+            attack_extra=self.attack_extra,
+        )
 
     def curves(self) -> dict[str, dict[str, Any]]:
         """``{attack: {"fpr", "tpr", "auc"}}``: the ROC of every attack (for the plots)."""
@@ -298,6 +313,9 @@ def membership_inference(
     population: str = "records",
     method: str | None = None,
     k: float = DEFAULT_K,
+    rmia_population: Sequence[Any] | None = None,
+    rmia_a: float = DEFAULT_A,
+    rmia_gamma: float = DEFAULT_GAMMA,
     max_tokens: int | None = None,
     batch_size: int = 16,
     cache: dict | None = None,
@@ -311,6 +329,11 @@ def membership_inference(
     same method over ``p0``: Thm 4.5's worst case; skipped when None); ``lira_members``: the
     members that reference never saw (default: all). ``cache``: a dict kept across calls, so the
     base's and reference's scores of the same examples are computed once.
+
+    ``rmia`` (:mod:`scpdr.attacks.rmia`) runs against LiRA's reference when there is one (on the
+    same members), else against ``base``; its population ``z`` is ``rmia_population`` (non-member
+    examples) or, by default, the non-members themselves, each example never compared with
+    itself (same token ids). ``rmia_a``, ``rmia_gamma``: the offline coefficient and threshold.
     """
     if not members or not nonmembers:
         raise ValueError(
@@ -336,6 +359,7 @@ def membership_inference(
         for attack, score in scores_from_stats(ex, k=k).items():
             out.add(attack, member=i < n_mem, score=score)
     ratio_refs = [("ref", base, None), ("lira", reference, lira_members)]
+    ref_lps: dict[str, dict[int, np.ndarray]] = {}  # attack -> example -> reference log-probs
     for attack, ref, chosen in ratio_refs:
         if ref is None:
             continue
@@ -344,7 +368,82 @@ def membership_inference(
         ref_lp = cached_token_logprobs(
             ref, [seqs[i] for i in idx], batch_size=batch_size, cache=cache
         )
+        ref_lps[attack] = {}
         for i, r in zip(idx, ref_lp, strict=True):
             t = stats[i].token_logprobs[starts[i] :]
-            out.add(attack, member=i < n_mem, score=ratio_score(t, r.double().numpy()[starts[i] :]))
-    return MIAResult(out, population)
+            ref_lps[attack][i] = r.double().numpy()[starts[i] :]
+            out.add(attack, member=i < n_mem, score=ratio_score(t, ref_lps[attack][i]))
+    result = MIAResult(out, population)
+    via = "lira" if "lira" in ref_lps else "ref" if "ref" in ref_lps else None
+    # the default population is the other non-members: one alone has none to be compared with
+    if via is not None and (rmia_population is not None or len(nonmembers) > 1):
+        rmia_ref = reference if via == "lira" else base
+        target_lp = {
+            i: st.token_logprobs[s0:] for i, (st, s0) in enumerate(zip(stats, starts, strict=True))
+        }
+        _add_rmia(
+            out,
+            target_lp,
+            ref_lps[via],
+            seqs,
+            n_mem,
+            target=target,
+            reference=rmia_ref,
+            population=rmia_population,
+            a=rmia_a,
+            gamma=rmia_gamma,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+            cache=cache,
+        )
+        result.attack_extra["rmia"] = {
+            "reference": "p0" if via == "lira" else "base",
+            "rmia_a": float(rmia_a),
+            "rmia_gamma": float(rmia_gamma),
+        }
+    return result
+
+
+def _add_rmia(
+    out: MIAScores,
+    target_lp: Mapping[int, np.ndarray],
+    ref_lp: Mapping[int, np.ndarray],
+    seqs: Sequence[Sequence[int]],
+    n_mem: int,
+    *,
+    target: Any,
+    reference: Any,
+    population: Sequence[Any] | None,
+    a: float,
+    gamma: float,
+    max_tokens: int | None,
+    batch_size: int,
+    cache: dict | None,
+) -> None:
+    """RMIA's scores of the examples ``ref_lp`` covers (members the reference never saw, and the
+    non-members), against ``population`` or the non-members (never an example itself)."""
+    idx = sorted(ref_lp)
+    lr_x = log_ratio(
+        [float(np.mean(target_lp[i])) for i in idx], [float(np.mean(ref_lp[i])) for i in idx], a=a
+    )
+    if population is None:
+        z_idx = [i for i in idx if i >= n_mem]
+        lr_z, z_seqs = lr_x[[idx.index(i) for i in z_idx]], [seqs[i] for i in z_idx]
+    else:
+        pairs = [
+            example_ids(target.tokenizer, x, max_tokens=max_tokens, label=f"population {j}")
+            for j, x in enumerate(population)
+        ]
+        z_seqs = [p[0] for p in pairs]
+        t_lp = cached_token_logprobs(target, z_seqs, batch_size=batch_size, cache=None)
+        r_lp = cached_token_logprobs(reference, z_seqs, batch_size=batch_size, cache=cache)
+        lr_z = log_ratio(
+            [float(t.double()[s - 1 :].mean()) for t, (_, s) in zip(t_lp, pairs, strict=True)],
+            [float(r.double()[s - 1 :].mean()) for r, (_, s) in zip(r_lp, pairs, strict=True)],
+            a=a,
+        )
+    keys_z = [tuple(s) for s in z_seqs]
+    same = np.array([[tuple(seqs[i]) == kz for kz in keys_z] for i in idx], dtype=bool)
+    scores = rmia_scores(lr_x, lr_z, gamma=gamma, same=same.reshape(len(idx), len(keys_z)))
+    for i, s in zip(idx, scores, strict=True):
+        out.add("rmia", member=i < n_mem, score=float(s))

@@ -16,6 +16,13 @@ AUC below .5 is a flipped test — leakage, not protection — and min-max norma
 better" would rank it the best. The report ranks those by ``|AUC − .5|`` in their own table. (TTE's
 AUC is the accuracy–coverage area of selective classification, where lower is less extraction.)
 
+**Training-time baselines** (:data:`scpdr.methods.BASELINE_METHODS`: Goldfish, the DP rows
+dp-eps1 / dp-eps8, SCP-Δr-b + DP) are read on the scale the other rows set: every column's
+minimum and maximum come from the paper's rows (the NAF methods, No CP, No CP-val), and a
+baseline's values are normalized with them, not clipped. So adding a baseline never changes
+another row's NAS (the paper's numbers stay comparable), and a baseline that leaks less than
+every paper row on a column scores below 0 there (above 1: more than No CP).
+
 On the paper's own table this gives No CP .99, CP-Δ .47, CP-Δ_KL .76, CP-Fuse .50, CP-Δr .22,
 SCP-Δr-c .17, SCP-Δr-b .11, No CP-val .002 (``tests/attacks/test_nas.py`` checks it).
 """
@@ -27,6 +34,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 from scpdr.attacks.results import STE, ResultRow
+from scpdr.methods import BASELINE_METHODS
 
 __all__ = ["NAS_METRICS", "attack_weights_by_corpora", "nas", "nas_from_rows"]
 
@@ -55,12 +63,18 @@ def nas(
     *,
     weights: Mapping[Hashable, float] | None = None,
     exclude: Iterable[str] = (STE,),
+    scale_exclude: Iterable[str] = (),
 ) -> dict[str, float]:
     """NAS of every method in ``table`` (``{method: {column: value}}``; higher value = more
     leakage). ``weights`` maps a column to its weight (default 1). Rows named in ``exclude``
-    (case-insensitive) take no part in the min-max and get no NAS."""
+    (case-insensitive) take no part in the min-max and get no NAS; rows named in
+    ``scale_exclude`` get a NAS on the scale the others set (their values neither lower the
+    minimum nor raise the maximum, and may normalize outside [0, 1]) — unless no other row has
+    the column."""
     skip = {e.lower() for e in exclude}
     rows = {m: cols for m, cols in table.items() if m.lower() not in skip}
+    outside = {e.lower() for e in scale_exclude}
+    scale_rows = {m: c for m, c in rows.items() if m.lower() not in outside}
     columns: list[Hashable] = []
     for cols in rows.values():
         for c in cols:
@@ -68,7 +82,9 @@ def nas(
                 columns.append(c)
     lo, hi = {}, {}
     for c in columns:
-        vals = [float(cols[c]) for cols in rows.values() if c in cols and _finite(cols[c])]
+        vals = [float(cols[c]) for cols in scale_rows.values() if c in cols and _finite(cols[c])]
+        if not vals:  # only baselines have this column: they set its scale
+            vals = [float(cols[c]) for cols in rows.values() if c in cols and _finite(cols[c])]
         if vals:
             lo[c], hi[c] = min(vals), max(vals)
     out = {}
@@ -107,6 +123,7 @@ def nas_from_rows(
     attack_weights: Mapping[str, float] | None = None,
     canary_repetitions: int | None = None,
     exclude: Iterable[str] = (STE,),
+    scale_exclude: Iterable[str] = BASELINE_METHODS,
 ) -> tuple[dict[str, float], list[ResultRow]]:
     """NAS from result rows: one column per ``(attack, corpus, metric)`` of :data:`NAS_METRICS`.
 
@@ -117,6 +134,9 @@ def nas_from_rows(
 
     ``attack_weights``: attack → weight of each of its columns; default
     :func:`attack_weights_by_corpora` (1 / the number of corpora the attack is reported on).
+
+    ``scale_exclude``: rows read on the others' scale (default: the training-time baselines,
+    :data:`scpdr.methods.BASELINE_METHODS`; see the module docstring).
 
     Returns ``({method: NAS}, rows)`` with rows ``(method, "nas", "nas", value)``."""
     wanted = set(NAS_METRICS)
@@ -142,7 +162,7 @@ def nas_from_rows(
     if attack_weights is None:
         attack_weights = attack_weights_by_corpora(columns)
     weights = {col: float(attack_weights.get(col[0], 1.0)) for col in columns}
-    scores = nas(table, weights=weights, exclude=exclude)
+    scores = nas(table, weights=weights, exclude=exclude, scale_exclude=scale_exclude)
     n_cols = len(weights)
     out_rows = [
         ResultRow(m, "nas", "nas", v, n_cols, None, None, {"columns": n_cols})

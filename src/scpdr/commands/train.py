@@ -40,6 +40,10 @@ def print_plans(pset: Any, base_ref: str, config: Any) -> None:
         if part:
             _, plan = fit_to_data(config, example_lengths(part, tok), name=f"constituent-{i}")
             typer.echo(plan.summary())
+            if config.dp:  # the privacy of the run: ε, δ, σ, q, steps (training/dp.py)
+                from scpdr.training.dp import dp_plan
+
+                typer.echo(dp_plan(config, n_records=len(part), steps=plan.total_steps).summary())
 
 
 @with_options(TRAIN_OPTIONS, FIELD_OPTIONS, SECRET_OPTIONS, GROUPING_OPTIONS, CANARY_OPTIONS)

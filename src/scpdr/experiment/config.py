@@ -176,6 +176,13 @@ class ExperimentConfig(Section):
             except ValidationError as exc:
                 msg = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
                 raise ValueError(f"baselines.goldfish: {msg}") from None
+        dp = self.baselines.dp
+        for method in dp.methods if dp is not None else ():
+            try:
+                TrainConfig.model_validate({**self.train.model_dump(), **dp.train_fields(method)})
+            except ValidationError as exc:
+                msg = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise ValueError(f"baselines.dp: {msg}") from None
 
     # -- derived -------------------------------------------------------------------------
 
@@ -185,6 +192,8 @@ class ExperimentConfig(Section):
         out = list(self.methods)
         if self.baselines.goldfish is not None:
             out.append(GOLDFISH)
+        if self.baselines.dp is not None:
+            out += self.baselines.dp.methods
         return out
 
     @property

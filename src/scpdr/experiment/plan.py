@@ -82,6 +82,9 @@ class _CorpusStages:
     reference: Stage | None = None
     ref_bundle: Stage | None = None
     goldfish: Stage | None = None
+    #: DP rows: the model stage of a "single" row, the bundle stage of a "retrained" one
+    dp: dict[str, Stage] = dataclasses.field(default_factory=dict)
+    dp_constituents: list[Stage] = dataclasses.field(default_factory=list)
 
 
 def plan(cfg: ExperimentConfig) -> tuple[list[Stage], Stage]:
@@ -130,9 +133,16 @@ def _summary(cfg: ExperimentConfig) -> str:
     t = cfg.train.resolved()
     mode = "LoRA" if t.lora else "full fine-tuning"
     steps = f", max {t.max_steps} steps" if t.max_steps else ""
+    dp = ""
+    if cfg.baselines.dp is not None:
+        eps = sorted({M.SPECS[m].dp_epsilon or 0.0 for m in cfg.baselines.dp.methods})
+        dp = (
+            f" DP baselines: LoRA with DP-SGD at ε ∈ {{{', '.join(f'{e:g}' for e in eps)}}} "
+            "(PRV accountant, δ = 1/n unless set), recorded per model in train_info.json."
+        )
     return (
         f"Base model: {cfg.base}. Data: {corpora}. K = {cfg.partitions.k} partitions; {mode}, "
-        f"{t.epochs:g} epochs, lr {t.learning_rate:g}{steps}. Smoothing m = {cfg.m}."
+        f"{t.epochs:g} epochs, lr {t.learning_rate:g}{steps}. Smoothing m = {cfg.m}.{dp}"
     )
 
 
@@ -151,6 +161,9 @@ def _sweep_point(
         data["methods"] = [m for m in point.methods if m in sweep.methods]
         if GOLDFISH not in sweep.methods:
             data["baselines"][GOLDFISH] = None  # the baseline's section is named after its row
+        if data["baselines"].get("dp") is not None:
+            kept = [m for m in data["baselines"]["dp"]["methods"] if m in sweep.methods]
+            data["baselines"]["dp"] = {**data["baselines"]["dp"], "methods": kept} if kept else None
         data["attacks"]["generations"]["methods"] = [
             m for m in point.attacks.generations.methods if m in sweep.methods
         ]
@@ -178,6 +191,7 @@ def _plan_point(cfg: ExperimentConfig, base_stage: Stage | None) -> list[Stage]:
         cs = _plan_corpus(cfg, corpus, base_deps)
         stages += [cs.partitions, *cs.constituents]
         stages += [s for s in (cs.reference, cs.goldfish) if s is not None]
+        stages += [*cs.dp_constituents, *cs.dp.values()]
         stages += [s for s in (cs.bundle, cs.ref_bundle) if s is not None]
         stages += _plan_attacks(cfg, cs)
         if cfg.bounds.enabled and len(cfg.bound_methods) > 0:
@@ -271,7 +285,49 @@ def _plan_corpus(
             run=run_train,
             deps={"partitions": partitions, **base_deps},
         )
+    if cfg.baselines.dp is not None:
+        _plan_dp(cfg, cs, train_in, base_deps)
     return cs
+
+
+def _plan_dp(
+    cfg: ExperimentConfig, cs: _CorpusStages, train_in: dict[str, Any], base_deps: dict[str, Stage]
+) -> None:
+    """The DP rows' stages (``baselines.dp``): a "single" row's one model on every partition
+    together (``partition`` None), a "retrained" row's K constituents (each on its partition)
+    and their bundle, named after the row."""
+    dp = cfg.baselines.dp
+    assert dp is not None
+    name, parts = cs.corpus.name, cs.partitions
+    for method in dp.methods:
+        fields = {"role": "dp", "dp": dp.train_fields(method)}
+        if M.SPECS[method].kind == "single":
+            cs.dp[method] = Stage(
+                name=f"train/{name}/{method}",
+                kind="train",
+                inputs={**train_in, "partition": None, **fields},
+                run=run_train,
+                deps={"partitions": parts, **base_deps},
+            )
+            continue
+        cons = [
+            Stage(
+                name=f"train/{name}/{method}/c{i}",
+                kind="train",
+                inputs={**train_in, "partition": i, **fields},
+                run=run_train,
+                deps={"partitions": parts, **base_deps},
+            )
+            for i in range(cfg.partitions.k)
+        ]
+        cs.dp_constituents += cons
+        cs.dp[method] = Stage(
+            name=f"bundle/{name}/{method}",
+            kind="bundle",
+            inputs={"base": cfg.base, "n_constant_prompts": 100, "role": method},
+            run=run_bundle,
+            deps={"partitions": parts, **{f"c{i}": s for i, s in enumerate(cons)}, **base_deps},
+        )
 
 
 def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
@@ -304,6 +360,10 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
                     deps["reference"] = cs.reference
             if method == GOLDFISH and cs.goldfish is not None:
                 deps[GOLDFISH] = cs.goldfish
+            if method in cs.dp and M.SPECS[method].kind == "single":
+                deps[method] = cs.dp[method]  # its one model, evaluated as a single
+            elif method in cs.dp:
+                deps["bundle"] = cs.dp[method]  # its rule over its own (DP) constituents
             out.append(
                 Stage(
                     name=f"attack/{corpus.name}/{method}/{attack}",

@@ -27,6 +27,7 @@ __all__ = [
     "BudgetAttackConfig",
     "CanaryAttackConfig",
     "CorpusConfig",
+    "DPBaselinesConfig",
     "GenerationsConfig",
     "GoldfishConfig",
     "MiaAttackConfig",
@@ -44,9 +45,9 @@ __all__ = [
 #: Result rows a config's ``methods`` may name (aliases resolve to their row): every NAF rule
 #: over a bundle's constituents. Training-time baselines are switched on under ``baselines:``.
 REQUESTABLE_METHODS: tuple[str, ...] = M.AGGREGATE_METHODS
-#: The one training-time baseline (Hans et al. 2024's goldfish loss): its result row, and the name
-#: of its section under ``baselines:`` and of its training stage.
-(GOLDFISH,) = M.BASELINE_METHODS
+#: The goldfish-loss baseline (Hans et al. 2024): its result row, and the name of its section
+#: under ``baselines:`` and of its training stage.
+GOLDFISH = M.GOLDFISH
 
 #: The attack names of a corpus: the evaluation pipeline's (``scpdr.attacks.evaluation.ATTACKS``)
 #: and "generations" (greedy continuations side by side, no rows). "mia" is the membership-
@@ -210,10 +211,50 @@ class GoldfishConfig(Section):
         return {"goldfish": True, "goldfish_k": self.k, "goldfish_h": self.h}
 
 
+class DPBaselinesConfig(Section):
+    """The DP-SGD baselines (:mod:`scpdr.training.dp`, rows :data:`scpdr.methods.DP_METHODS`):
+    one LoRA model trained with DP on all partitions together at each row's ε (what a user would
+    deploy instead), and SCP-Δr-b over K constituents each trained with DP on its partition. The
+    ``train`` section's settings, with LoRA, one record per sequence and no accumulation (what
+    DP needs); ``delta`` and ``max_grad_norm`` are :class:`~scpdr.training.TrainConfig`'s
+    ``dp_delta`` / ``dp_max_grad_norm``."""
+
+    methods: list[str] = Field(
+        default_factory=lambda: list(M.DP_METHODS),
+        description="the DP rows trained and evaluated (default: all of them)",
+    )
+    delta: float | None = TrainConfig.model_fields["dp_delta"]
+    max_grad_norm: float = TrainConfig.model_fields["dp_max_grad_norm"]
+
+    @field_validator("methods")
+    @classmethod
+    def _methods(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if M.canonical(m) not in M.DP_METHODS]
+        if bad:
+            raise ValueError(f"unknown DP row(s) {bad}; known: {list(M.DP_METHODS)}")
+        return list(dict.fromkeys(M.canonical(m) for m in v))
+
+    def train_fields(self, method: str) -> dict[str, Any]:
+        """The :class:`~scpdr.training.TrainConfig` fields that train ``method``'s models."""
+        return {
+            "dp_epsilon": M.SPECS[method].dp_epsilon,
+            "dp_delta": self.delta,
+            "dp_max_grad_norm": self.max_grad_norm,
+            "lora": True,
+            "packing": False,
+            "grad_accum": 1,
+        }
+
+
 class BaselinesConfig(Section):
     goldfish: GoldfishConfig | None = Field(
         None,
         description="also train partition 0 with goldfish loss; evaluated as the Goldfish row",
+    )
+    dp: DPBaselinesConfig | None = Field(
+        None,
+        description="also train the DP-SGD baselines (one model on all partitions at ε = 1 and "
+        "8; SCP-Δr-b over constituents trained at ε = 8); needs the `dp` extra",
     )
 
 

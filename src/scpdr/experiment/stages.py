@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from scpdr import methods as M
 from scpdr.data import CanaryConfig, prepare_partitions
 from scpdr.errors import ConfigError
 from scpdr.experiment.cache import StageContext
@@ -25,6 +26,7 @@ from scpdr.training import TrainConfig
 
 __all__ = [
     "TARGETS_NAME",
+    "baseline_singles",
     "load_pset",
     "run_bundle",
     "run_partitions",
@@ -97,6 +99,8 @@ def load_pset(path: Path) -> Any:
 
 def _training_records(ctx: StageContext) -> list[Any]:
     pset = load_pset(ctx.dep("partitions"))
+    if ctx.stage.inputs["partition"] is None:  # one model on every partition together
+        return [r for part in pset.parts for r in part]
     i = int(ctx.stage.inputs["partition"])
     records = list(pset.parts[i])
     if ctx.stage.inputs["role"] == "reference":
@@ -109,13 +113,16 @@ def _training_records(ctx: StageContext) -> list[Any]:
 
 def run_train(ctx: StageContext) -> None:
     """Fine-tune one model on its partition: the ``train`` section (a :class:`TrainConfig`) with
-    the experiment's top-level seed, plus the goldfish loss for that baseline."""
+    the experiment's top-level seed, plus the goldfish loss or the DP-SGD fields
+    (:class:`~scpdr.experiment.sections.DPBaselinesConfig`) for those baselines."""
     from scpdr.training import finetune
 
     inp = ctx.stage.inputs
     update = {"seed": int(inp["seed"]), "progress": False}
     if inp.get(GOLDFISH) is not None:
         update.update(GoldfishConfig.model_validate(inp[GOLDFISH]).train_fields())
+    if inp.get("dp") is not None:
+        update.update(inp["dp"])
     config = TrainConfig.from_dict({**inp["train"], **update}, what="train")
     finetune(
         _training_records(ctx),
@@ -124,6 +131,14 @@ def run_train(ctx: StageContext) -> None:
         out=ctx.dir / "model",
         device=ctx.config.device,
     )
+
+
+def baseline_singles(ctx: StageContext) -> dict[str, Path] | None:
+    """The training-time baselines an attack stage evaluates as one model (goldfish, the DP rows
+    trained on every partition together): ``{row: model dir}`` from the deps named after their
+    rows, None when there is none."""
+    names = [n for n in M.BASELINE_METHODS if M.SPECS[n].kind == "single"]
+    return {n: ctx.dep(n) / "model" for n in names if n in ctx.deps} or None
 
 
 def _validation_texts(pset: Any, n: int | None = None) -> list[str]:

@@ -16,8 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from scpdr.experiment.cache import StageContext
-from scpdr.experiment.sections import GOLDFISH
-from scpdr.experiment.stages import TARGETS_NAME, load_pset
+from scpdr.experiment.stages import TARGETS_NAME, baseline_singles, load_pset
 from scpdr.experiment.stages_eval import MODEL_CACHE_SIZE
 from scpdr.io import atomic_write_json, read_json
 
@@ -56,7 +55,7 @@ def run_budget(ctx: StageContext) -> None:
     if store is None:  # the models the attack stages of this process share
         store = ctx.memo["models"] = ModelStore(capacity=MODEL_CACHE_SIZE)
     bundle_dir = ctx.dep("bundle") / "bundle"
-    singles = {GOLDFISH: ctx.dep(GOLDFISH) / "model"} if GOLDFISH in ctx.deps else None
+    singles = baseline_singles(ctx)
     scorers = load_scorers(
         bundle_dir,
         [method],

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from scpdr.errors import ConfigError
 from scpdr.experiment.cache import StageContext
-from scpdr.experiment.sections import GOLDFISH, BoundsConfig
-from scpdr.experiment.stages import TARGETS_NAME, load_pset
+from scpdr.experiment.sections import BoundsConfig
+from scpdr.experiment.stages import TARGETS_NAME, baseline_singles, load_pset
 from scpdr.io import atomic_write_json, read_json
 
 if TYPE_CHECKING:  # pragma: no cover - the pipeline imports torch: loaded when a stage runs
@@ -102,7 +102,7 @@ def run_attack(ctx: StageContext) -> None:
         # reference is valid for all) vs validation records; p0 never saw a canary either.
         data.members = [r for r in pset.parts[0] if r.id in holdout]
         reference = _reference_model(ctx.dep("ref_bundle") / "bundle")
-    singles = {GOLDFISH: ctx.dep(GOLDFISH) / "model"} if GOLDFISH in ctx.deps else None
+    singles = baseline_singles(ctx)
     scorers = load_scorers(
         bundle_dir,
         [method],

@@ -10,6 +10,8 @@ bootstrap interval over examples); an attack cell not distinguishable from No CP
 
 NAS (paper §5.4, "Main results"): every attack column is min-max normalized to [0, 1] over the
 rows except STE (No CP-val included), and NAS is the weighted mean of a row's normalized scores.
+Training-time baselines (Goldfish, the DP rows) are read on that scale without setting it
+(:mod:`scpdr.attacks.nas`): adding one changes no other row's NAS.
 Each attack type carries the weight of its own two columns: a column's weight is 1 / (the number
 of corpora that attack is reported on), so the paper's three TTE corpora get 1/3 each.
 """
@@ -63,18 +65,24 @@ COLUMN_SPECS: tuple[ColumnSpec, ...] = (
 
 
 def nas_scores(
-    values: Mapping[str, Sequence[float | None]], weights: Sequence[float]
+    values: Mapping[str, Sequence[float | None]],
+    weights: Sequence[float],
+    *,
+    scale_exclude: Sequence[str] = tuple(M.BASELINE_METHODS),
 ) -> dict[str, float | None]:
     """NAS per row (paper §5.4) with :func:`scpdr.attacks.nas.nas`: min-max normalize every
     column over the given rows, then the weighted mean of each row's normalized scores (missing
     and non-finite values skipped; None for a row with no value).
 
     ``values``: row key → one value per attack column (the STE row must not be passed).
+    ``scale_exclude``: rows read on the others' scale (default: the training-time baselines).
     """
     from scpdr.attacks.nas import nas
 
     table = {k: {j: v for j, v in enumerate(vals) if v is not None} for k, vals in values.items()}
-    scores = nas(table, weights=dict(enumerate(weights)), exclude=())
+    scores = nas(
+        table, weights=dict(enumerate(weights)), exclude=(), scale_exclude=scale_exclude
+    )
     return {k: (v if math.isfinite(v) else None) for k, v in scores.items()}
 
 
@@ -199,7 +207,9 @@ def main_table(
     if attack_idx:
         notes.append(
             "NAS: each attack column min-max normalized over the rows (STE excluded), weighted "
-            "mean with each attack type weighted equally (paper §5.4)."
+            "mean with each attack type weighted equally (paper §5.4); training-time baselines "
+            "(Goldfish, DP) are read on the scale the other rows set, without setting it, so "
+            "they may fall outside [0, 1]."
         )
     return Table(
         title=title,

@@ -134,6 +134,9 @@ def train_bundle(
         base_model = load_model(base)
         vec = constant_base_vector(base_model, load_tokenizer(base), prompts)
         del base_model
+    from scpdr.training.dp import bundle_dp_record
+
+    dp = bundle_dp_record(refs) if cfg.dp else None  # each constituent's ε, δ, σ, q, steps
     path = write_bundle(
         out,
         base=base,
@@ -148,6 +151,7 @@ def train_bundle(
             "train_config": cfg.model_dump(mode="json"),
             "dataset": pset.manifest.dataset,
             "canaries": "partitions/canaries.json" if pset.canaries is not None else None,
+            **({"dp": dp} if dp is not None else {}),
         },
     )
     wait_for_everyone()

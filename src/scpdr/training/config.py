@@ -22,6 +22,7 @@ from scpdr.errors import ConfigError, format_validation_error
 from scpdr.training.goldfish import GOLDFISH_H, GOLDFISH_K
 
 __all__ = [
+    "DP_FIELDS",
     "LORA_TARGET_MODULES",
     "PAPER_DEFAULTS",
     "TrainConfig",
@@ -51,6 +52,9 @@ PAPER_DEFAULTS: dict[str, tuple[Any, Any]] = {
 
 #: Settings that do not change the trained weights (left out of the fingerprint).
 NOT_IN_FINGERPRINT = ("progress", "logging_steps", "save_steps", "save_total_limit")
+#: The DP-SGD fields (:mod:`scpdr.training.dp`); left out of the fingerprint when DP is off, so
+#: runs trained before they existed keep theirs.
+DP_FIELDS = ("dp_epsilon", "dp_delta", "dp_max_grad_norm")
 
 
 class TrainConfig(BaseModel):
@@ -127,6 +131,19 @@ class TrainConfig(BaseModel):
         True,
         description="Show progress: a bar on a terminal, log lines (step, loss, ETA) otherwise.",
     )
+    dp_epsilon: float | None = Field(
+        None,
+        gt=0,
+        description="Train with DP-SGD (Opacus, PRV accountant) to this epsilon over the whole "
+        "run; DP trains LoRA adapters (implies --lora), one record per sequence, Poisson "
+        "sampling. Needs the `dp` extra.",
+    )
+    dp_delta: float | None = Field(
+        None, gt=0, lt=1, description="DP delta (default: 1/n, n = the constituent's records)."
+    )
+    dp_max_grad_norm: float = Field(
+        1.0, gt=0, description="DP-SGD: each example's gradient is clipped to this L2 norm."
+    )
 
     @field_validator("max_steps", mode="before")
     @classmethod
@@ -134,6 +151,31 @@ class TrainConfig(BaseModel):
         # -1 is the Trainer's (and this config's former) spelling of "no step limit": configs
         # saved before it became None keep loading.
         return None if v == -1 else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dp_implies_lora(cls, data: Any) -> Any:
+        # DP-SGD trains LoRA adapters on one record per sequence: what DP forces is filled in,
+        # and an explicit contradiction is an error naming the option
+        if not isinstance(data, dict) or data.get("dp_epsilon") is None:
+            if isinstance(data, dict) and data.get("dp_delta") is not None:
+                raise ValueError("dp_delta without dp_epsilon does nothing; add --dp-epsilon")
+            return data
+        if data.get("lora") is False:
+            raise ValueError(
+                "DP training (dp_epsilon) trains LoRA adapters only: drop --no-lora / lora: false"
+            )
+        if data.get("packing") is True:
+            raise ValueError(
+                "DP training protects records, so each sequence holds one record: drop "
+                "--packing / packing: true"
+            )
+        if data.get("grad_accum", 1) not in (1, None):
+            raise ValueError(
+                "DP training draws each step's batch by Poisson sampling: grad_accum must be 1 "
+                "(raise --batch-size instead)"
+            )
+        return {**data, "lora": True, "packing": False}
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -144,6 +186,11 @@ class TrainConfig(BaseModel):
         if not self.lora_target_modules:
             raise ValueError("lora_target_modules must name at least one module")
         return self
+
+    @property
+    def dp(self) -> bool:
+        """Whether this is a DP-SGD run (:mod:`scpdr.training.dp`)."""
+        return self.dp_epsilon is not None
 
     # ------------------------------------------------------------------ paper defaults
 
@@ -215,6 +262,9 @@ class TrainConfig(BaseModel):
         d = self.resolved().model_dump(mode="json")
         for k in NOT_IN_FINGERPRINT:
             d.pop(k)
+        if d["dp_epsilon"] is None:
+            for k in DP_FIELDS:
+                d.pop(k)
         # "no step limit" was -1 before it was None: finished runs keep their fingerprint
         d["max_steps"] = -1 if d["max_steps"] is None else d["max_steps"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()

@@ -30,6 +30,7 @@ from scpdr.data.records import Record, records_hash
 from scpdr.errors import ConfigError
 from scpdr.io import atomic_write_json, read_json
 from scpdr.training.config import TrainConfig, make_config
+from scpdr.training.loading import TRAIN_INFO, load_base, untie_lm_head, wrap_lora
 from scpdr.training.placement import (
     full_state_dict,
     is_main_process,
@@ -45,33 +46,12 @@ from scpdr.training.resume import RUN_INFO, choose_checkpoint
 from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
 
 if TYPE_CHECKING:  # pragma: no cover
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+    from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TRAIN_INFO", "finetune"]
 
-#: The record of a finished run, beside its weights.
-TRAIN_INFO = "train_info.json"
-
-
-def _load_base(base: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """(model, tokenizer, ref string recorded in outputs) from a ref or a (model, tok) pair."""
-    if isinstance(base, tuple):
-        model, tok = base
-        import copy
-
-        ref = str(getattr(model.config, "_name_or_path", "") or "in-memory")
-        return copy.deepcopy(model), tok, ref
-    from scpdr.models import load_model, load_tokenizer
-
-    ref = os.fspath(base)
-    if ref == "embedded":
-        from scpdr.models import base_model_dir
-
-        path = base_model_dir()
-        return load_model(path), load_tokenizer(path), "embedded"
-    return load_model(ref), load_tokenizer(ref), str(Path(ref).resolve())
 
 
 def _tmp_dir(out: Path, fingerprint: str) -> Path:
@@ -124,6 +104,14 @@ def finetune(
     from transformers import Trainer, TrainingArguments
 
     cfg = make_config(config)  # resolved: the paper defaults filled in
+    if cfg.dp:  # DP-SGD: Opacus' per-example gradients in a plain loop (training/dp.py)
+        from scpdr.training.dp import finetune_dp
+
+        if resume:
+            logger.info("%s: DP runs keep no checkpoint; training starts again", out)
+        return finetune_dp(
+            records, base=base, config=config, out=out, overwrite=overwrite, device=device
+        )
     dev = training_device(device)
     optim = resolve_optim(cfg.optim, dev)
     records = list(records)
@@ -167,7 +155,7 @@ def finetune(
         tmp.mkdir(parents=True, exist_ok=True)
         atomic_write_json(tmp / RUN_INFO, run)
 
-    model, tok, base_ref = _load_base(base)
+    model, tok, base_ref = load_base(base)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     # sizing to the data (training/plan.py): packing, batch and warm-up the caller left unset
@@ -193,7 +181,7 @@ def finetune(
         from transformers import set_seed
 
         set_seed(cfg.seed)  # the adapter's random init (the Trainer seeds only later)
-        model = _wrap_lora(model, cfg)
+        model = wrap_lora(model, cfg)
 
     # a checkpoint at least once per epoch: an interrupted run loses at most one epoch
     batches = math.ceil(math.ceil(len(rows) / world_size()) / int(cfg.batch_size))
@@ -263,7 +251,7 @@ def finetune(
         if cfg.lora:
             final_model.peft_config["default"].base_model_name_or_path = base_ref
             if merge_lora:
-                _untie_lm_head(final_model.get_base_model())
+                untie_lm_head(final_model.get_base_model())
                 final_model = final_model.merge_and_unload()
         if cfg.lora and not merge_lora:
             # the frozen embeddings are the base's: keep them out of the adapter
@@ -333,50 +321,3 @@ def _log_callback() -> TrainerCallback:
                 logger.info("step %d: %s", state.global_step, logs)
 
     return _LogCallback()
-
-
-def _wrap_lora(model: PreTrainedModel, cfg: TrainConfig) -> Any:
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as exc:  # pragma: no cover - peft is a dependency
-        from scpdr.errors import missing_dependency
-
-        raise missing_dependency("peft") from exc
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [m for m in cfg.lora_target_modules if m not in present]
-    if missing:
-        raise ConfigError(
-            f"LoRA target modules {missing} do not exist in this model; available leaf modules "
-            f"include {sorted(present)[:20]}"
-        )
-    lcfg = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=list(cfg.lora_target_modules),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, lcfg)
-
-
-def _untie_lm_head(model: PreTrainedModel) -> None:
-    """Give a (LoRA-wrapped) ``lm_head`` tied to the input embeddings its own weight copy.
-
-    peft applies an ``lm_head`` adapter to the output projection only, so on a tied model (SmolLM2)
-    the trained function leaves the input embeddings alone; merging into the shared matrix would
-    change them too (peft 0.21). Untying first makes the merged model equal the trained one
-    (``scpdr.models.load_model`` does the same for adapters).
-    """
-    import torch
-
-    head = model.get_output_embeddings()
-    layer = getattr(head, "base_layer", head)
-    emb = model.get_input_embeddings()
-    emb_w = getattr(getattr(emb, "base_layer", emb), "weight", None)
-    if emb_w is None or layer.weight is not emb_w:
-        return
-    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    text_cfg = getattr(model.config, "get_text_config", None)
-    if callable(text_cfg):
-        text_cfg().tie_word_embeddings = False
