@@ -41,6 +41,7 @@ _COMMANDS: list[tuple[str, str, str]] = [
     ("bounds", "bounds", "bounds"),
     ("bundle", "bundle", "bundle"),
     ("export", "export", "export"),
+    ("forget", "forget", "forget"),
     ("serve", "serve", "serve"),
     ("prop_bounds", "prop_bounds", "prop-bounds"),
 ]

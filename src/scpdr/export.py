@@ -5,7 +5,8 @@ constituents and the constant base vector of SCP-Δr-c, and writes a new ``scpdr
 m, the audit's verdict) and ``export.json``: the sha256 of every file, so the serving host can
 check what it got (:func:`verify_export`). It leaves out the partitions (training texts and
 declared secrets), the validation records, the canaries, the training logs (``train_info.json``),
-checkpoints, and the bundle's ``extra`` (which names where the data was). It checks the copied
+checkpoints, the bundle's ``extra`` (which names where the data was), the records ``scpdr forget``
+removed (``forgotten/``) and the deletion log's record hashes and source path. It checks the copied
 non-weight files for every training text and declared secret before it finishes, and refuses if
 one is there (docs/deployment.md: the constituents themselves remain as sensitive as the data).
 """
@@ -65,7 +66,20 @@ def _private_texts(bundle: Path, manifest: Any) -> list[str]:
     texts = [r.text for r in recs] + [s for r in recs for s in r.secrets]
     if pset.canaries is not None:
         texts += [c.text for c in pset.canaries.canaries]
+    texts += _forgotten_texts(bundle)
     return [t for t in dict.fromkeys(texts) if len(t) >= _MIN_SEARCHED]
+
+
+def _forgotten_texts(bundle: Path) -> list[str]:
+    """The texts and declared secrets of the records ``scpdr forget`` removed (kept in
+    ``forgotten/`` for ``scpdr eval --forgotten``; never copied, and searched for like the rest)."""
+    d = bundle / "forgotten"
+    if not d.is_dir():
+        return []
+    from scpdr.data import load_records
+
+    recs = [r for f in sorted(d.glob("*.jsonl")) for r in load_records(f)]
+    return [r.text for r in recs] + [s for r in recs for s in r.secrets]
 
 
 def _leaks(root: Path, texts: list[str]) -> list[str]:
@@ -144,6 +158,8 @@ def export_bundle(
                     k: audit[k] for k in ("passed", "overridden", "k", "num_records") if k in audit
                 },
                 "extra": {"exported": True},
+                # that and when records were forgotten, not whose (no id hashes, salt, source)
+                "deletions": [d.public() for d in manifest.deletions],
             }
         )
         (tmp / "scpdr.json").write_text(

@@ -157,6 +157,18 @@ def eval_(
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Sequences per scoring batch."),
     seed: int = typer.Option(0, "--seed", help="Seed of the canary reference sample."),
     device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
+    forgotten: bool = typer.Option(
+        False,
+        "--forgotten",
+        help="Attack the records BUNDLE forgot (`scpdr forget`; pii, secrets, mia) in the bundle "
+        "before and in BUNDLE, and print both rows.",
+    ),
+    before: Path | None = typer.Option(
+        None,
+        "--before",
+        help="With --forgotten: the bundle before the deletion (default: the one its deletion "
+        "log names).",
+    ),
 ) -> None:
     """Run attacks against the methods of a bundle, print what they mean, write DIR/results.json.
 
@@ -187,6 +199,24 @@ def eval_(
 
     log = logging.getLogger(__name__)
     check_out_dir(out)
+    if before is not None and not forgotten:
+        raise ConfigError("--before goes with --forgotten (the bundle before the deletion)")
+    if forgotten:  # the forgotten records, before and after (scpdr.attacks.forgotten)
+        from scpdr.commands.forget import eval_forgotten_command
+
+        forgotten_options = EvalOptions(
+            batch_size=batch_size, lira_max_tokens=max_tokens, seed=seed, pii_val_n=pii_n
+        )
+        eval_forgotten_command(
+            bundle,
+            out=out,
+            before=before,
+            attacks=None if attacks == _DEFAULT_ATTACKS else attacks,
+            methods=methods,
+            options=forgotten_options,
+            device=resolve_device(device),
+        )
+        return
     device = resolve_device(device)  # a bad or missing device fails before any work
     attack_list = split_list(attacks, "--attacks", ", ".join(ATTACKS))
     check_attacks(attack_list)  # before any model is loaded

@@ -32,6 +32,7 @@ __all__ = [
     "CONSTANT_BASE_FILE",
     "CONSTANT_BASE_KEY",
     "BundleManifest",
+    "Deletion",
     "constant_base_vector",
     "load_constant_base",
     "read_bundle",
@@ -91,6 +92,32 @@ def constant_base_vector(
     return total / max(count, 1)
 
 
+class Deletion(BaseModel):
+    """One entry of a bundle's deletion log (``scpdr forget``, :mod:`scpdr.training.forget`):
+    when, how many records, which partitions changed; the ids only as salted hashes
+    (``sha256(salt + id)``, :func:`scpdr.training.forget.deletion_hash`), never a text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    when: str = Field(..., description="UTC time of the deletion (ISO 8601)")
+    selection: str = Field(
+        ..., description="how the records were named: ids, group, secret-matching"
+    )
+    records: int = Field(..., ge=0, description="training records removed")
+    validation_records: int = Field(0, ge=0, description="validation records removed")
+    partitions: list[int] = Field(..., description="partitions that lost records (retrained)")
+    copied: list[int] = Field(default_factory=list, description="constituents copied unchanged")
+    id_hashes: list[str] = Field(default_factory=list, description="sha256(salt + id), sorted")
+    salt: str | None = Field(None, description="the bundle's salt of id_hashes (hex)")
+    source: str | None = Field(None, description="the bundle the records were removed from")
+    source_sha256: str | None = Field(None, description="sha256 of the source's scpdr.json")
+
+    def public(self) -> Deletion:
+        """The entry without the id hashes, the salt and the source path (what an export keeps:
+        that and when records were forgotten, not whose)."""
+        return self.model_copy(update={"id_hashes": [], "salt": None, "source": None})
+
+
 class BundleManifest(BaseModel):
     """``scpdr.json`` of a bundle: what the protected model is made of (refs relative to the
     bundle dir when inside it)."""
@@ -111,6 +138,9 @@ class BundleManifest(BaseModel):
         None, description="safetensors file (relative) holding the constant base vector ('c')"
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="free-form metadata")
+    deletions: list[Deletion] = Field(
+        default_factory=list, description="deletion log (`scpdr forget`), oldest first"
+    )
 
     @field_validator("constituents")
     @classmethod
@@ -153,13 +183,15 @@ def write_bundle(
     audit: Mapping[str, Any] | None = None,
     constant_base: torch.Tensor | None = None,
     extra: Mapping[str, Any] | None = None,
+    deletions: Sequence[Deletion] = (),
 ) -> Path:
     """Write a bundle manifest (``scpdr.json``) into directory ``path`` and return ``path``.
 
     The models are referenced, not copied (refs inside ``path`` are stored relative to it).
     Tokenizers of base and constituents are loaded and checked with :func:`check_compatible`.
     ``constant_base`` (``Tensor[V]``, see :func:`constant_base_vector`) is saved next to the
-    manifest for the 'c' variant. Every file is written atomically, the manifest last.
+    manifest for the 'c' variant. ``deletions``: the deletion log (``scpdr forget``). Every
+    file is written atomically, the manifest last.
     """
     import torch
     from safetensors.torch import save_file
@@ -211,6 +243,7 @@ def write_bundle(
         vocab_size=vocab_size,
         constant_base=const_name,
         extra=dict(extra or {}),
+        deletions=list(deletions),
     )
     atomic_write_json(bundle_dir / BUNDLE_MANIFEST, manifest.model_dump(mode="json"))
     return bundle_dir
