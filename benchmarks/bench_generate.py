@@ -6,7 +6,9 @@ every configuration sees the same machine load:
 
 - greedy decoding tokens/s of each method (``ProtectedLM.generate``, no early stop) divided by
   HF ``generate`` tokens/s of one model, same prompts, B in {1, 8};
-- teacher-forced ``score`` tokens/s (SCP-Δr-b) divided by one model's forward tokens/s.
+- teacher-forced ``score`` tokens/s (SCP-Δr-b) divided by one model's forward tokens/s;
+- base-anchored SCP-Δr-b (``anchor=0.5``: the mixture with the base, its certificate recomputed
+  and each token's charge against the base; ``scp-delta-r-b+anchor``), the same ratio.
 
 Goals: scp-delta-r-b >= 0.30 (the memory-bound limit with three forwards is 1/3),
 scp-delta-r-c >= 0.45, cp-fuse >= 0.28, score >= 0.30.
@@ -36,6 +38,8 @@ GOALS = {
     "cp-fuse@B1": 0.28,
     "score@B8": 0.30,
 }
+#: The anchored mode's radius (nats per token).
+ANCHOR = 0.5
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash table works, and when you would use one instead of a list.",
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             fns[name] = lambda lm=lm, prompts=prompts: lm.generate(
                 prompts, max_new_tokens=n_new, stop_at_eos=False
             )
+        fns["scp-delta-r-b+anchor"] = lambda lm=lms["scp-delta-r-b"], prompts=prompts: lm.generate(
+            prompts, max_new_tokens=n_new, stop_at_eos=False, anchor=ANCHOR
+        )
         logger.info("B=%d: timing %s (%d rounds, %d new tokens)", b, list(fns), repeats, n_new)
         med = interleaved_medians(fns, repeats=repeats, warmup=1)
         for name, sec in med.items():

@@ -17,7 +17,9 @@ Modules: :mod:`~scpdr.bounds.divergences` (TV, ``D_m``, ``D_r``, max / relative 
 divergences), :mod:`~scpdr.bounds.certificates` (:func:`certify`, the one per-position
 certificate formula the runtime and :func:`k_x`/:func:`t_x` share; :func:`v_x`),
 :mod:`~scpdr.bounds.accountant` (the per-token charge ``cost_t <= t_x`` whose sum certifies a
-whole response, by the chain rule and Thm. 4.4; the budget rule), :mod:`~scpdr.bounds.sparps` (smoothing cost and the SpaRPS estimators).
+whole response, by the chain rule and Thm. 4.4; the budget rule), :mod:`~scpdr.bounds.sparps` (smoothing cost and the SpaRPS estimators),
+:mod:`~scpdr.bounds.anchor` (base-anchored serving: the largest mixture weight of the aggregate
+inside a max-log-ratio ball around the base).
 
 Conventions: the divergence functions take log-probabilities as given (``log_softmax`` is
 applied, which changes normalized inputs only by rounding; no floor). The method-level bounds
@@ -31,12 +33,14 @@ from __future__ import annotations
 from scpdr.bounds.accountant import (
     Charge,
     charge,
+    private_prefix,
     realized_log_lr,
     response_certificate,
     sequence_charges,
     token_cost,
     within_budget,
 )
+from scpdr.bounds.anchor import Anchored, anchor, anchor_weight
 from scpdr.bounds.certificates import (
     KX_DIVERGENCE,
     V_X_METHODS,
@@ -68,8 +72,11 @@ __all__ = [
     "DIVERGENCES",
     "KX_DIVERGENCE",
     "V_X_METHODS",
+    "Anchored",
     "Certificate",
     "Charge",
+    "anchor",
+    "anchor_weight",
     "certify",
     "charge",
     "d_m",
@@ -80,6 +87,7 @@ __all__ = [
     "log_typical",
     "max_divergence",
     "naf_components",
+    "private_prefix",
     "rare_token_ratio_bound",
     "realized_log_lr",
     "relative_max_divergence",

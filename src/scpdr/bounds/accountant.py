@@ -42,6 +42,7 @@ from scpdr.naf import as_float32
 __all__ = [
     "Charge",
     "charge",
+    "private_prefix",
     "realized_log_lr",
     "response_certificate",
     "sequence_charges",
@@ -221,3 +222,30 @@ def within_budget(cost: Tensor, budget: float | None) -> Tensor:
         raise ValueError(f"budget must be a number of nats >= 0 (or None), got {budget!r}")
     ok = cost.double().cumsum(dim=-1) <= float(budget)
     return ok.long().cumprod(dim=-1).bool()  # stop at the first position past it
+
+
+def private_prefix(cost: Tensor, worst: Tensor, budget: float | None) -> Tensor:
+    """Which positions the fallback to the base (``on_budget="base"``) serves from the private
+    aggregate: ``BoolTensor`` of ``cost``'s shape ``(*batch, T)``, a prefix of each row.
+
+    Position t is private when ``Σ_{s<t} cost_s + worst_t <= budget`` and every earlier position
+    was private: the decision is taken *before* the token at t is drawn, on the position's worst
+    case ``worst_t`` (its ``t_x``, Thm. 4.4), so it never depends on the draw; from the first
+    position that fails it, the response continues from the base (``docs/accountant.md``,
+    Proposition 3). ``cost``/``worst`` are the private aggregate's charges and worst cases at every
+    position (a teacher-forced trace, ``ProtectedLM.score(..., cost=True, t_x=True)``); float64
+    running sums, as the runtime keeps them. ``None`` (or +inf) serves everything privately.
+    """
+    if tuple(worst.shape) != tuple(cost.shape):
+        raise ValueError(
+            f"private_prefix: worst must have the shape of cost {tuple(cost.shape)}, got "
+            f"{tuple(worst.shape)}"
+        )
+    if budget is None or budget == math.inf:
+        return torch.ones_like(cost, dtype=torch.bool)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+        raise ValueError(f"budget must be a number of nats >= 0 (or None), got {budget!r}")
+    c = cost.double()
+    before = torch.cat([torch.zeros_like(c[..., :1]), c.cumsum(dim=-1)[..., :-1]], dim=-1)
+    ok = before + worst.double() <= float(budget)
+    return ok.long().cumprod(dim=-1).bool()

@@ -8,6 +8,7 @@
 - :mod:`~scpdr.runtime.decoding`: the KV-cached decoding loop;
 - :mod:`~scpdr.runtime.scoring`: teacher-forced scoring (prompt-aware for CP-Fuse);
 - :mod:`~scpdr.runtime.aggregation`: one position's aggregate and certificate;
+- :mod:`~scpdr.runtime.modes`: serving from the base (the fallback past a budget, the anchor);
 - :mod:`~scpdr.runtime.stop_strings`: stop strings and incremental detokenization;
 - :mod:`~scpdr.runtime.inputs`: checking prompts and padded batches;
 - :mod:`~scpdr.runtime.runner`: the model-runner protocol and the per-model runner;

@@ -13,7 +13,10 @@ The accountant: each picked token is charged (:meth:`Aggregator.cost
 and a row with a ``budget`` keeps a float64 running sum of its charges, echoed prompt positions
 first; a token (or echoed position) whose charge would take the sum past the budget is not
 served and the row ends with ``finish_reason="budget"`` — the rule of
-:func:`scpdr.bounds.within_budget`.
+:func:`scpdr.bounds.within_budget`. With ``on_budget="base"`` the row instead continues from the
+base model once the budget cannot cover a position's worst case, and ``anchor=c`` serves the
+base-anchored distribution (:mod:`scpdr.runtime.modes`; ``docs/accountant.md``, Propositions 3
+and 4).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from scpdr import naf
+from scpdr.runtime import modes, scoring
 from scpdr.runtime.aggregation import Aggregator
+from scpdr.runtime.modes import Ledger
 from scpdr.runtime.outputs import PromptLogprobs, StepEvent
 from scpdr.runtime.runner import ModelRunner, positions, run_split
 from scpdr.runtime.sampling import SamplingParams, make_generator, sample
@@ -35,7 +41,10 @@ __all__ = ["Decoder", "DecodingModel", "Step", "served_prefix", "stream"]
 
 class Step(NamedTuple):
     """One decoding step of a batch, as python lists (one entry per row): the picked tokens,
-    their log r, certificates and charges, and the most likely tokens of r."""
+    their log-prob under the served distribution (r, or its anchored or base replacement),
+    certificates and charges, and the most likely tokens of it; ``anchor`` the charges against
+    the base (None where not measured), ``fallback`` the rows served from the base, ``blocked``
+    the rows whose position no budget allowed before the draw (:meth:`Ledger.private`)."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -43,6 +52,9 @@ class Step(NamedTuple):
     t_x: list[float]
     cost: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    anchor: list[float | None] | None = None
+    fallback: list[bool] | None = None
+    blocked: list[bool] | None = None
 
 
 def served_prefix(costs: Sequence[float], budget: float | None, spent: float = 0.0) -> int:
@@ -143,15 +155,37 @@ class Decoder:
                 layer.values = layer.values[:, :, first:]
 
     @torch.inference_mode()
-    def sample(self, out: tuple[Tensor, Tensor | None], params: Sequence[SamplingParams]) -> Step:
+    def sample(
+        self,
+        out: tuple[Tensor, Tensor | None],
+        params: Sequence[SamplingParams],
+        ledgers: Sequence[Ledger] | None = None,
+    ) -> Step:
         """Aggregate the step's logits, pick one token per row and charge it (for the token and
         the row's ``params.logprobs`` alternatives); one host transfer. ``top_logprobs`` holds
-        the most likely tokens of r, as many as the largest ``params.logprobs``."""
+        the most likely tokens of the served distribution, as many as the largest
+        ``params.logprobs``. With ``ledgers`` (one per row), rows that anchor or fall back are
+        served as :mod:`scpdr.runtime.modes` says; without, every row is served r."""
         lm = self.lm
         logits, base = out  # (K', B, V), (B, V) | None
         base = lm.base_vector if lm.variant == "c" else base
         log_r, kx, tx, comps = lm.aggregator(logits, base, self.path)
         assert kx is not None and tx is not None
+        log_b = fall = blocked = None
+        if ledgers is not None and any(modes.measures_base(lm.variant, p) for p in params):
+            assert base is not None
+            log_b = naf.normalize(base)  # (B, V): the floored base
+            c = modes.radii(params, log_r.device)
+            if c is not None:
+                log_r, kx, tx = modes.anchored(lm.aggregator.rule, log_r, kx, tx, comps, log_b, c)
+                assert kx is not None and tx is not None
+            txs = tx.cpu().tolist()  # the decision is taken before the draw
+            blocked = [not g.private(t) for g, t in zip(ledgers, txs, strict=True)]
+            fall = [b and p.on_budget == "base" for b, p in zip(blocked, params, strict=True)]
+            if any(fall):
+                on = torch.tensor(fall, device=log_r.device)  # (B,)
+                log_r = torch.where(on.unsqueeze(-1), log_b, log_r)
+                kx, tx = kx.masked_fill(on, 0.0), tx.masked_fill(on, 0.0)
         tokens = sample(log_r, params, self.generators)  # (B,)
         lp = log_r.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if self.path is not None:
@@ -172,8 +206,48 @@ class Decoder:
             alts = ti.masked_fill(torch.arange(n, device=ti.device) >= ks, -1)
             shown = torch.cat([shown, alts], dim=-1)
         cost = lm.aggregator.cost(log_r, comps, tx, shown)
-        host = torch.stack([lp, kx, tx, cost]).cpu().tolist()
-        return Step(tokens.cpu().tolist(), *host, tops)
+        if log_b is None:
+            host = torch.stack([lp, kx, tx, cost]).cpu().tolist()
+            return Step(tokens.cpu().tolist(), *host, tops)
+        against_base = modes.base_charge(log_r, log_b, shown)
+        *host, anchor = torch.stack([lp, kx, tx, cost, against_base]).cpu().tolist()
+        anchors = [
+            a if modes.measures_base(lm.variant, p) else None
+            for a, p in zip(anchor, params, strict=True)
+        ]
+        return Step(tokens.cpu().tolist(), *host, tops, anchors, fall, blocked)
+
+
+def _echo(
+    lm: DecodingModel,
+    encoded: list[list[int]],
+    params: Sequence[SamplingParams],
+    ledgers: list[Ledger],
+) -> Iterator[tuple[int, PromptLogprobs, bool]]:
+    """The echoed prompts' log-probs, each held to its row's budget: ``(row, what is served,
+    whether the budget stopped the row)``; a row that falls back gets the base's log-probs past
+    its private positions (:meth:`PromptLogprobs.with_fallback`) and its ledger is marked."""
+    echo = [i for i in range(len(encoded)) if params[i].echo]
+    if not echo:
+        return
+    tops = [params[i].logprobs or 0 for i in echo]
+    prompts = [encoded[i] for i in echo]
+    modal = [params[i] for i in echo]
+    if not any(modes.measures_base(lm.variant, p) for p in modal):
+        scored, based = lm.prompt_logprobs(prompts, top_logprobs=tops), None
+    else:
+        anchors = [p.anchor for p in modal]
+        scored, based = scoring.prompt_logprobs_modes(lm, prompts, tops, anchors, base=True)
+    for j, (i, pl) in enumerate(zip(echo, scored, strict=True)):
+        led, p = ledgers[i], params[i]
+        served = led.count(pl.cost, pl.t_x, pl.anchor)
+        stopped = False
+        if served < len(pl.cost):
+            if p.on_budget == "base" and based is not None:
+                pl, led.fallen = pl.with_fallback(served, based[j]), True
+            else:
+                pl, stopped = pl.truncated(served), True
+        yield i, pl, stopped
 
 
 def stream(
@@ -183,20 +257,12 @@ def stream(
     :class:`StepEvent` per generated token as soon as it exists (rows with ``echo`` first get
     their prompt's log-probs; a row's last event carries its ``finish_reason``)."""
     n = len(encoded)
-    spent = [0.0] * n  # each row's running sum of charges (float64)
+    modes.check_modes(lm.variant, getattr(lm, "name", lm.method), params)
+    ledgers = [Ledger(p) for p in params]  # each row's running sums (float64)
     spent_out = [False] * n  # the echo alone reached the budget
-    echo = [i for i in range(n) if params[i].echo]
-    if echo:
-        scored = lm.prompt_logprobs(
-            [encoded[i] for i in echo], top_logprobs=[params[i].logprobs or 0 for i in echo]
-        )
-        for i, pl in zip(echo, scored, strict=True):
-            served = served_prefix(pl.cost, params[i].budget)
-            if served < len(pl.cost):
-                pl, spent_out[i] = pl.truncated(served), True
-            for c in pl.cost:
-                spent[i] += c
-            yield StepEvent(i, None, "", None, None, None, None, None, prompt=pl)
+    for i, pl, stopped in _echo(lm, encoded, params, ledgers):
+        spent_out[i] = stopped
+        yield StepEvent(i, None, "", None, None, None, None, None, prompt=pl)
     rows = [RowText(lm.tokenizer, params[i].stop) for i in range(n)]
     active = [i for i in range(n) if params[i].max_new_tokens > 0 and not spent_out[i]]
     for i in range(n):
@@ -211,14 +277,22 @@ def stream(
     out = dec.prefill()
     eos = lm.eos_ids
     while True:
-        toks, lps, kxs, txs, costs, tops = dec.sample(out, [params[i] for i in active])
+        step = dec.sample(out, [params[i] for i in active], [ledgers[i] for i in active])
+        toks, lps, kxs, txs, costs, tops = step[:6]
         keep = []
         for j, i in enumerate(active):
-            tok, p, row = toks[j], params[i], rows[i]
-            if served_prefix(costs[j : j + 1], p.budget, spent[i]) == 0:  # withheld
+            tok, p, row, led = toks[j], params[i], rows[i], ledgers[i]
+            fell = bool(step.fallback and step.fallback[j])
+            blocked = bool(step.blocked and step.blocked[j]) and not fell
+            if blocked or (
+                not fell and served_prefix(costs[j : j + 1], p.budget, led.spent) == 0
+            ):  # withheld: the stop rule, or an anchor budget before the draw
                 yield StepEvent(i, None, row.flush(), None, None, None, None, "budget")
                 continue
-            spent[i] += costs[j]
+            anchor = step.anchor[j] if step.anchor is not None else None
+            led.fallen = led.fallen or fell
+            led.spent += costs[j]
+            led.spent_anchor += anchor or 0.0
             counts[i] += 1
             reason = None
             delta = row.add(tok)
@@ -231,7 +305,19 @@ def stream(
                 reason = "length"
                 delta += row.flush()
             top = None if p.logprobs is None else tops[j][: p.logprobs]
-            yield StepEvent(i, tok, delta, lps[j], kxs[j], txs[j], top, reason, cost=costs[j])
+            yield StepEvent(
+                i,
+                tok,
+                delta,
+                lps[j],
+                kxs[j],
+                txs[j],
+                top,
+                reason,
+                cost=costs[j],
+                anchor=anchor,
+                fallback=fell,
+            )
             if reason is None:
                 keep.append(j)
         if not keep:

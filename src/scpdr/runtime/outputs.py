@@ -7,6 +7,8 @@ bound of Thm. 4.4 (max over all constituents), both from :func:`scpdr.bounds.cer
 ``cost`` the accountant's charge (:func:`scpdr.bounds.token_cost`): at least the realized
 log-likelihood ratio of every token the client sees at that position, at most ``t_x``. A
 response's certificate is the sum of its charges (``docs/accountant.md``, Proposition 1).
+``anchor`` is the same charge against the (floored) base model, when the row measures it
+(anchored, falling back to the base, or budgeted, on a model with a base: Propositions 3-4).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ class PromptLogprobs:
     best first (empty lists when no alternatives were asked for). ``cost[i]`` is the position's
     charge (the prompt token and its alternatives are revealed). Under a ``budget`` the lists
     stop before the first position whose charge would take the response past it
-    (:attr:`served` < ``len(prompt) - 1``: the rest is withheld).
+    (:attr:`served` < ``len(prompt) - 1``: the rest is withheld), or with ``on_budget="base"``
+    positions from ``fallback_at`` on hold the base model's log-probs (certificate and charge 0,
+    :meth:`with_fallback`). ``anchor[i]`` is the position's charge against the base (empty when
+    the row does not measure it).
     """
 
     token_logprobs: list[float]
@@ -45,6 +50,8 @@ class PromptLogprobs:
     k_x: list[float]
     t_x: list[float]
     cost: list[float] = field(default_factory=list)
+    anchor: list[float] = field(default_factory=list)
+    fallback_at: int | None = None
 
     @property
     def served(self) -> int:
@@ -54,7 +61,30 @@ class PromptLogprobs:
     def truncated(self, n: int) -> PromptLogprobs:
         """The first ``n`` positions only (what a budget serves)."""
         return PromptLogprobs(
-            self.token_logprobs[:n], self.top_logprobs[:n], self.k_x[:n], self.t_x[:n], self.cost[:n]
+            self.token_logprobs[:n],
+            self.top_logprobs[:n],
+            self.k_x[:n],
+            self.t_x[:n],
+            self.cost[:n],
+            self.anchor[:n],
+        )
+
+    def with_fallback(self, n: int, base: PromptLogprobs) -> PromptLogprobs:
+        """The first ``n`` positions from the private aggregate, the rest from ``base`` (the
+        base model's log-probs of the same prompt) with certificate and charges 0: what
+        ``on_budget="base"`` serves when position ``n`` is the first the budget cannot serve."""
+        m = len(self.token_logprobs)
+        if n >= m:
+            return self
+        zeros = [0.0] * (m - n)
+        return PromptLogprobs(
+            self.token_logprobs[:n] + base.token_logprobs[n:m],
+            self.top_logprobs[:n] + base.top_logprobs[n:m],
+            self.k_x[:n] + zeros,
+            self.t_x[:n] + zeros,
+            self.cost[:n] + zeros,
+            self.anchor[:n] + zeros if self.anchor else [],
+            n,
         )
 
 
@@ -70,6 +100,13 @@ class Generation:
     response past the ``budget``: it was not emitted). ``prompt_logprobs`` is set when the
     sampling parameters ask for ``echo``. ``cost[t]`` is token t's charge
     (:func:`scpdr.bounds.token_cost`); :attr:`sum_cost` is the response's certificate.
+
+    With ``on_budget="base"``, tokens from ``fallback_at`` on were drawn from the base model
+    (their ``logprobs`` are the base's; ``k_x``, ``t_x``, ``cost`` are 0: ``docs/accountant.md``,
+    Proposition 3) and ``finish_reason`` stays "stop"/"length"; ``fallback_at`` is None when every
+    token was private (:attr:`private_tokens`). ``anchor[t]`` is token t's charge against the
+    base (None when the row does not measure it), :attr:`sum_anchor` the response's certificate
+    against the base (Proposition 4).
     """
 
     text: str
@@ -82,6 +119,22 @@ class Generation:
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     cost: list[float] = field(default_factory=list)
+    anchor: list[float] | None = None
+    fallback_at: int | None = None
+
+    @property
+    def private_tokens(self) -> int:
+        """Generated tokens served from the private aggregate (before any fallback)."""
+        return len(self.token_ids) if self.fallback_at is None else self.fallback_at
+
+    @property
+    def sum_anchor(self) -> float | None:
+        """The response's certificate against the base: ``Σ anchor`` over its tokens and served
+        prompt positions (``docs/accountant.md``, Proposition 4); None when not measured."""
+        if self.anchor is None:
+            return None
+        echoed = self.prompt_logprobs.anchor if self.prompt_logprobs is not None else []
+        return math.fsum([*echoed, *self.anchor])
 
     @property
     def sum_cost(self) -> float:
@@ -108,7 +161,9 @@ class StepEvent:
     ``max_new_tokens=0`` a row's only event has ``token_id=None``. A row with ``echo`` first gets
     one event with ``prompt`` set (and ``token_id=None``, ``finish_reason=None``). A row stopped
     by its budget ends with an event with ``token_id=None`` and ``finish_reason="budget"`` (the
-    withheld token is never shown). ``cost`` is the token's charge.
+    withheld token is never shown). ``cost`` is the token's charge, ``anchor`` its charge
+    against the base (None when not measured), ``fallback`` whether it was drawn from the base
+    (``on_budget="base"``).
     """
 
     index: int
@@ -121,6 +176,8 @@ class StepEvent:
     finish_reason: str | None = None
     prompt: PromptLogprobs | None = None
     cost: float | None = None
+    anchor: float | None = None
+    fallback: bool = False
 
 
 class ScoreComponents(NamedTuple):
@@ -144,7 +201,10 @@ class ScoreOutput:
     (see :class:`ScoreComponents`); ``top_logprobs``/``top_ids`` ``(B, T-1, n)`` the n most likely
     tokens of r, best first; ``cost`` ``(B, T-1)`` each position's charge when its target and the
     n alternatives are revealed (:func:`scpdr.bounds.token_cost`). Positions whose context or
-    target is padding hold 0.0 (ids: -1).
+    target is padding hold 0.0 (ids: -1). With ``anchor=c`` every value is that of the anchored
+    distribution (:func:`scpdr.bounds.anchor`). ``anchor`` ``(B, T-1)``: the same charge against
+    the floored base; ``base_token_logprobs`` ``(B, T-1)``, ``base_top_logprobs``/``base_top_ids``
+    ``(B, T-1, n)``: the base model's own (what a fallback position serves).
     """
 
     token_logprobs: Tensor
@@ -156,6 +216,10 @@ class ScoreOutput:
     top_logprobs: Tensor | None = None
     top_ids: Tensor | None = None
     cost: Tensor | None = None
+    anchor: Tensor | None = None
+    base_token_logprobs: Tensor | None = None
+    base_top_logprobs: Tensor | None = None
+    base_top_ids: Tensor | None = None
 
 
 @dataclass(frozen=True)

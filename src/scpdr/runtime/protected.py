@@ -319,6 +319,8 @@ class ProtectedLM:
         components: bool = False,
         top_logprobs: int = 0,
         cost: bool = False,
+        anchor: float | Sequence[float | None] | None = None,
+        base: bool = False,
     ) -> Tensor | ScoreOutput:
         """Teacher-forced scoring: one forward per model over whole sequences, aggregated at every
         position (no token loop).
@@ -338,6 +340,14 @@ class ProtectedLM:
                 its target and the ``top_logprobs`` alternatives are revealed: a row's running
                 sum is the certificate of serving it, and :func:`scpdr.bounds.within_budget`
                 says which positions a budget serves.
+            anchor: score under the base-anchored distribution (nats per token; one value, or
+                one per row, None = not anchored): every returned value is that of the served
+                mixture (:func:`scpdr.bounds.anchor`). Variant 'b' only.
+            base: also return the base model's log-probs of each target and alternatives
+                (``base_token_logprobs``, ``base_top_*``: what a fallback position serves) and
+                each position's charge against the base (``anchor``). With ``cost`` and
+                ``t_x`` this is the trace :func:`scpdr.bounds.private_prefix` reads the
+                fallback of any budget off. Variant 'b' only.
 
         Returns ``Tensor[B, T-1]`` (log r of each actual next token; 0.0 where the target or its
         context is padding) when no option is set, else a :class:`ScoreOutput`. Rows are
@@ -346,10 +356,22 @@ class ProtectedLM:
         ids, mask = inputs.check_inputs(input_ids, attention_mask, self.vocab_size, self.device)
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
             raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
+        radius = None
+        if anchor is not None:
+            rows = list(anchor) if isinstance(anchor, (list, tuple)) else [anchor] * len(ids)
+            if len(rows) != len(ids):
+                raise ValueError(f"anchor has {len(rows)} entries but there are {len(ids)} rows")
+            for a in rows:
+                SamplingParams(anchor=a)  # the one validation of a radius
+            radius = torch.tensor(
+                [float("inf") if a is None else a for a in rows], dtype=torch.float64
+            )
         return scoring.score(
             self,
             ids,
             mask,
+            anchor=radius,
+            base=base,
             prompt_lengths=scoring.check_prompt_lengths(prompt_lengths, mask),
             full=full,
             greedy=greedy,
@@ -400,6 +422,12 @@ class ProtectedLM:
             budget: most nats each response may be charged (None: no budget): a token whose
                 charge would take ``Σ cost`` (echoed prompt positions included) past it is not
                 emitted, and the generation ends with ``finish_reason == "budget"``.
+            on_budget: "stop" (the above) or "base": the response continues from the base
+                model once the budget cannot cover a position's ``t_x`` (``Generation.
+                fallback_at``; variant 'b' only; ``docs/accountant.md``, Proposition 3).
+            anchor: nats per token c: serve the base-anchored mixture of r and the base
+                (``|log q - log b| <= c`` at every token; variant 'b'; Proposition 4).
+            anchor_budget: most nats of ``Σ anchor`` (the certificate against the base).
 
         Every sampling argument but ``top_logprobs`` may be one value or a list with one entry
         per prompt. An unknown keyword is a TypeError; ``sampling`` with keywords a ValueError.
@@ -416,7 +444,12 @@ class ProtectedLM:
             texts[ev.index] += ev.text_delta
             if ev.prompt is not None:
                 g.prompt_logprobs = ev.prompt
+                g.fallback_at = None if ev.prompt.fallback_at is None else 0
             if ev.token_id is not None:
+                if ev.anchor is not None:
+                    g.anchor = [*(g.anchor or []), float(ev.anchor)]
+                if ev.fallback and g.fallback_at is None:
+                    g.fallback_at = len(g.token_ids)
                 g.token_ids.append(ev.token_id)
                 g.logprobs.append(float(ev.logprob))  # type: ignore[arg-type]
                 g.k_x.append(float(ev.k_x))  # type: ignore[arg-type]

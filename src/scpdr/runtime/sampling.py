@@ -28,7 +28,18 @@ from torch import Tensor
 
 from scpdr.runtime.stop_strings import check_stop, per_prompt_stop
 
-__all__ = ["SamplingOptions", "SamplingParams", "make_generator", "resolve_sampling", "sample"]
+__all__ = [
+    "ON_BUDGET",
+    "SamplingOptions",
+    "SamplingParams",
+    "make_generator",
+    "resolve_sampling",
+    "sample",
+]
+
+#: What a response does when its budget cannot serve its next position: end ("stop") or
+#: continue from the base model ("base", ``docs/accountant.md``, Proposition 3).
+ON_BUDGET = ("stop", "base")
 
 
 def _is_int(x: Any) -> bool:
@@ -60,6 +71,18 @@ class SamplingParams:
         budget: most nats the response may be charged (:func:`scpdr.bounds.token_cost`, summed
             over its tokens and echoed prompt positions); a token whose charge would take it
             past the budget is not emitted and the sequence ends ("budget"). None: no budget.
+        on_budget: what a response does when its next position cannot be served within its
+            budget: "stop" (end with finish_reason "budget", as above) or "base" (continue from
+            the base model's next-token distribution, charged 0: a position is served from the
+            private aggregate only while ``Σ cost + t_x <= budget``, decided before the draw;
+            ``docs/accountant.md``, Proposition 3). "base" needs a base model (variant 'b').
+        anchor: nats per token ``c``: serve ``q = λ r + (1 - λ) b`` with the largest λ such that
+            ``|log q(y) - log b(y)| <= c`` for every y (:func:`scpdr.bounds.anchor`; the base
+            model b, variant 'b'). None: serve r.
+        anchor_budget: most nats of the certificate against the base (Σ of the per-token
+            ``anchor`` charges, each <= ``anchor``) the response may spend: a position is served
+            from the anchored aggregate only while ``Σ anchor + anchor <= anchor_budget`` (decided
+            before the draw, on the worst case c), then as ``on_budget`` says. Needs ``anchor``.
 
     Raises:
         ValueError: naming the field and the accepted values.
@@ -75,6 +98,9 @@ class SamplingParams:
     echo: bool = False
     stop_at_eos: bool = True
     budget: float | None = None
+    on_budget: str = "stop"
+    anchor: float | None = None
+    anchor_budget: float | None = None
 
     def __post_init__(self) -> None:
         x = self.max_new_tokens
@@ -102,6 +128,23 @@ class SamplingParams:
             raise ValueError(f"budget must be None or a number of nats >= 0, got {x!r}")
         if x is not None:
             object.__setattr__(self, "budget", float(x))
+        if self.on_budget not in ON_BUDGET:
+            raise ValueError(
+                f"on_budget must be one of {', '.join(map(repr, ON_BUDGET))}, got "
+                f"{self.on_budget!r}"
+            )
+        for name in ("anchor", "anchor_budget"):
+            x = getattr(self, name)
+            if x is not None and (not _is_number(x) or not math.isfinite(x) or x < 0):
+                raise ValueError(f"{name} must be None or a finite number of nats >= 0, got {x!r}")
+            if x is not None:
+                object.__setattr__(self, name, float(x))
+        if self.anchor_budget is not None and self.anchor is None:
+            raise ValueError(
+                "anchor_budget bounds the certificate against the base of anchored serving: "
+                "set anchor=c too (nats per token), or use budget= for the certificate against "
+                "the constituents"
+            )
         object.__setattr__(self, "stop", check_stop(self.stop))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -109,6 +152,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_base(self) -> bool:
+        """Whether the row needs the base model's distribution: anchored, or falling back."""
+        return self.anchor is not None or self.on_budget == "base"
 
     @classmethod
     def per_prompt(
@@ -125,6 +173,9 @@ class SamplingParams:
         top_logprobs: int = 0,
         echo: bool | Sequence[bool] = False,
         budget: float | Sequence[float | None] | None = None,
+        on_budget: str | Sequence[str] = "stop",
+        anchor: float | Sequence[float | None] | None = None,
+        anchor_budget: float | Sequence[float | None] | None = None,
     ) -> list[SamplingParams]:
         """One :class:`SamplingParams` per prompt from ``generate``'s keyword arguments: each
         value is shared, or a list with one entry per prompt; ``stop`` as
@@ -141,6 +192,9 @@ class SamplingParams:
             "stop_at_eos": _per_row(stop_at_eos, n, "stop_at_eos"),
             "echo": _per_row(echo, n, "echo"),
             "budget": _per_row(budget, n, "budget"),
+            "on_budget": _per_row(on_budget, n, "on_budget"),
+            "anchor": _per_row(anchor, n, "anchor"),
+            "anchor_budget": _per_row(anchor_budget, n, "anchor_budget"),
             "stop": per_prompt_stop(stop, n),
         }
         lp = top_logprobs or None
@@ -173,6 +227,9 @@ class SamplingOptions(TypedDict, total=False):
     top_logprobs: int
     echo: bool | Sequence[bool]
     budget: float | Sequence[float | None] | None
+    on_budget: str | Sequence[str]
+    anchor: float | Sequence[float | None] | None
+    anchor_budget: float | Sequence[float | None] | None
 
 
 def resolve_sampling(

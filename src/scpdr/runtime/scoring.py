@@ -11,10 +11,14 @@ depend on it.
 With ``cost`` each position is also charged (:meth:`Aggregator.cost
 <scpdr.runtime.aggregation.Aggregator.cost>`) for its target and the alternatives it reveals: what
 ``prompt_logprobs`` (echo) serves costs what the same positions would cost when generated.
+With ``anchor`` each row's positions are scored under its base-anchored distribution, and with
+``base`` the base model's own log-probs and each position's charge against the base come too
+(:mod:`scpdr.runtime.modes`): what a fallback or an anchored response serves.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,10 +26,11 @@ import torch
 from torch import Tensor
 
 from scpdr import naf
+from scpdr.runtime import modes
 from scpdr.runtime.outputs import PromptLogprobs, ScoreComponents, ScoreOutput
 from scpdr.runtime.runner import positions, run_split
 
-__all__ = ["check_prompt_lengths", "prompt_logprobs", "score"]
+__all__ = ["check_prompt_lengths", "prompt_logprobs", "prompt_logprobs_modes", "score"]
 
 
 def check_prompt_lengths(
@@ -65,12 +70,21 @@ def score(
     top_logprobs: int = 0,
     cost: bool = False,
     reveal: Tensor | None = None,
+    anchor: Tensor | None = None,
+    base: bool = False,
 ) -> Tensor | ScoreOutput:
     """:meth:`ProtectedLM.score` on checked inputs (``ids``/``mask`` ``(B, T)`` on the model's
     device, ``prompt_lengths`` from :func:`check_prompt_lengths`); see there. ``reveal``
     ``LongTensor[B]``: alternatives each row reveals, for its ``cost`` (default: all
-    ``top_logprobs``). Rows are processed in chunks so that at most
-    ``lm.score_chunk_elements`` logits are held at once."""
+    ``top_logprobs``). ``anchor`` ``Tensor[B]`` float64: each row's radius (+inf: not
+    anchored); ``base``: also the base's log-probs and the charges against it (variant 'b').
+    Rows are processed in chunks so that at most ``lm.score_chunk_elements`` logits are held
+    at once."""
+    if (anchor is not None or base) and lm.variant != "b":
+        raise ValueError(
+            f"anchor= and base= score against the base model, and {lm.name} runs none: use an "
+            "SCP method with its base model (variant 'b', base='model')"
+        )
     b, t = ids.shape
     v = lm.vocab_size
     dev = ids.device
@@ -86,6 +100,14 @@ def score(
         top_logprobs=torch.zeros(b, t - 1, n_top, device=dev) if n_top else None,
         top_ids=torch.full((b, t - 1, n_top), -1, dtype=torch.long, device=dev) if n_top else None,
         cost=torch.zeros(b, t - 1, device=dev) if cost else None,
+        anchor=torch.zeros(b, t - 1, device=dev) if base else None,
+        base_token_logprobs=torch.zeros(b, t - 1, device=dev) if base else None,
+        base_top_logprobs=torch.zeros(b, t - 1, n_top, device=dev) if base and n_top else None,
+        base_top_ids=(
+            torch.full((b, t - 1, n_top), -1, dtype=torch.long, device=dev)
+            if base and n_top
+            else None
+        ),
     )
     if reveal is None:
         reveal = torch.full((b,), n_top, dtype=torch.long, device=dev)
@@ -96,8 +118,9 @@ def score(
         for s in range(0, b, rows):
             sl = slice(s, min(b, s + rows))
             pl = None if prompt_lengths is None else prompt_lengths[sl]
-            _score_chunk(lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b)
-    if not (full or greedy or k_x or t_x or components or n_top or cost):
+            radius = None if anchor is None else anchor[sl]
+            _score_chunk(lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b, radius)
+    if not (full or greedy or k_x or t_x or components or n_top or cost or base):
         return out.token_logprobs
     if components:
         assert comp_l is not None
@@ -115,6 +138,7 @@ def _score_chunk(
     out: ScoreOutput,
     comp_l: Tensor | None,
     comp_b: Tensor | None,
+    anchor: Tensor | None = None,
 ) -> None:
     b, t = ids.shape
     valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)  # (b, T-1): real context and target
@@ -136,6 +160,12 @@ def _score_chunk(
     fbase = base if base is not None else (lm.base_vector if lm.variant == "c" else None)
     need = out.k_x is not None or out.t_x is not None or out.cost is not None
     log_r, kx, tx, comps = lm.aggregator(logits, fbase, path, bounds_too=need)  # (N, V)
+    log_b = None  # (N, V): the floored base, only where a row anchors or the base is asked for
+    if base is not None and (anchor is not None or out.base_token_logprobs is not None):
+        log_b = naf.normalize(base)
+    if anchor is not None and log_b is not None:
+        c = anchor.to(ids.device)[valid.nonzero()[:, 0]]  # (N,) each position's row's radius
+        log_r, kx, tx = modes.anchored(lm.aggregator.rule, log_r, kx, tx, comps, log_b, c)
     out.token_logprobs[sl][valid] = log_r.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     if out.logprobs is not None:
         out.logprobs[sl][valid] = log_r
@@ -150,15 +180,24 @@ def _score_chunk(
         tv, ti = torch.topk(log_r, out.top_logprobs.shape[-1], dim=-1)  # (N, n)
         out.top_logprobs[sl][valid] = tv
         out.top_ids[sl][valid] = ti
-    if out.cost is not None:
-        assert tx is not None
+    if out.cost is not None or out.anchor is not None:
         shown = target.unsqueeze(-1)  # (N, 1): the target, then the row's alternatives
         if ti is not None:
             rows = valid.nonzero()[:, 0]  # (N,) the row of each position
             rank = torch.arange(ti.shape[-1], device=ti.device)
             alts = ti.masked_fill(rank >= reveal[rows].unsqueeze(-1), -1)
             shown = torch.cat([shown, alts], dim=-1)
-        out.cost[sl][valid] = lm.aggregator.cost(log_r, comps, tx, shown)
+        if out.cost is not None:
+            assert tx is not None
+            out.cost[sl][valid] = lm.aggregator.cost(log_r, comps, tx, shown)
+        if out.anchor is not None and log_b is not None:
+            out.anchor[sl][valid] = modes.base_charge(log_r, log_b, shown)
+    if out.base_token_logprobs is not None and log_b is not None:
+        out.base_token_logprobs[sl][valid] = log_b.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        if out.base_top_logprobs is not None and out.base_top_ids is not None:
+            bv, bi = torch.topk(log_b, out.base_top_logprobs.shape[-1], dim=-1)  # (N, n)
+            out.base_top_logprobs[sl][valid] = bv
+            out.base_top_ids[sl][valid] = bi
     if comp_l is not None:
         vc = valid.cpu()
         comp_l[:, sl][:, vc] = torch.log_softmax(logits, dim=-1).cpu()
@@ -171,15 +210,37 @@ def prompt_logprobs(
 ) -> list[PromptLogprobs]:
     """:meth:`ProtectedLM.prompt_logprobs` on encoded prompts: one right-padded ``score`` with
     ``prompt_lengths`` = each prompt's length, so every prefix is read as a fresh request."""
+    return prompt_logprobs_modes(lm, encoded, top_logprobs)[0]
+
+
+def prompt_logprobs_modes(
+    lm: Any,
+    encoded: list[list[int]],
+    top_logprobs: int | Sequence[int] = 0,
+    anchors: Sequence[float | None] | None = None,
+    *,
+    base: bool = False,
+) -> tuple[list[PromptLogprobs], list[PromptLogprobs] | None]:
+    """:func:`prompt_logprobs` under each prompt's anchor (``anchors``: one radius or None per
+    prompt), with each position's charge against the base (``PromptLogprobs.anchor``) when any
+    prompt anchors or ``base``; and with ``base`` also the base model's own log-probs of every
+    prompt (certificates 0: what a fallback position serves), else None."""
     n = len(encoded)
     tops = list(top_logprobs) if isinstance(top_logprobs, (list, tuple)) else [top_logprobs] * n
     if len(tops) != n or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in tops):
         raise ValueError(
             f"top_logprobs must be an int >= 0 or one per prompt, got {top_logprobs!r}"
         )
+    radius = None
+    if anchors is not None and any(a is not None for a in anchors):
+        radius = torch.tensor(
+            [math.inf if a is None else float(a) for a in anchors], dtype=torch.float64
+        )
+    against_base = base or radius is not None
     t = max(len(p) for p in encoded)
     if t < 2:
-        return [PromptLogprobs([], [], [], []) for _ in encoded]
+        empty = [PromptLogprobs([], [], [], []) for _ in encoded]
+        return empty, ([PromptLogprobs([], [], [], []) for _ in encoded] if base else None)
     ids = torch.zeros((n, t), dtype=torch.long)  # (B, T), right padding
     mask = torch.zeros((n, t), dtype=torch.long)
     for b, p in enumerate(encoded):
@@ -196,18 +257,33 @@ def prompt_logprobs(
         top_logprobs=min(max(tops), lm.vocab_size),
         cost=True,
         reveal=torch.tensor(tops, device=lm.device),
+        anchor=radius,
+        base=against_base,
     )
     assert isinstance(out, ScoreOutput) and out.k_x is not None and out.t_x is not None
     assert out.cost is not None
     chosen = out.token_logprobs.cpu().tolist()
     kx, tx, costs = out.k_x.cpu().tolist(), out.t_x.cpu().tolist(), out.cost.cpu().tolist()
-    ti: list[Any] = []
-    tv: list[Any] = []
-    if out.top_ids is not None and out.top_logprobs is not None:
-        ti, tv = out.top_ids.cpu().tolist(), out.top_logprobs.cpu().tolist()
-    result = []
+    anchor = out.anchor.cpu().tolist() if out.anchor is not None else None
+    ti, tv = _tops(out.top_ids, out.top_logprobs)
+    bti, btv = _tops(out.base_top_ids, out.base_top_logprobs)
+    based = None if out.base_token_logprobs is None else out.base_token_logprobs.cpu().tolist()
+    result, base_result = [], []
     for b, (p, k) in enumerate(zip(encoded, tops, strict=True)):
         m = len(p) - 1
         top = [list(zip(ti[b][i][:k], tv[b][i][:k], strict=True)) if k else [] for i in range(m)]
-        result.append(PromptLogprobs(chosen[b][:m], top, kx[b][:m], tx[b][:m], costs[b][:m]))
-    return result
+        a = anchor[b][:m] if anchor is not None else []
+        result.append(PromptLogprobs(chosen[b][:m], top, kx[b][:m], tx[b][:m], costs[b][:m], a))
+        if base and based is not None:
+            top = [
+                list(zip(bti[b][i][:k], btv[b][i][:k], strict=True)) if k else [] for i in range(m)
+            ]
+            zeros = [0.0] * m
+            base_result.append(PromptLogprobs(based[b][:m], top, zeros, zeros, zeros, zeros))
+    return result, (base_result if base else None)
+
+
+def _tops(ids: Tensor | None, values: Tensor | None) -> tuple[list[Any], list[Any]]:
+    if ids is None or values is None:
+        return [], []
+    return ids.cpu().tolist(), values.cpu().tolist()

@@ -69,8 +69,10 @@ class EngineStoppedError(EngineError):
 @dataclass(frozen=True)
 class TokenOutput:
     """One generated token: its text delta, its log-prob under the aggregate, alternatives, the
-    certificate of the distribution it was drawn from (k_x: Def. 2.1; t_x: Theorem 4.4) and its
-    charge (``cost``, :func:`scpdr.bounds.token_cost`)."""
+    certificate of the distribution it was drawn from (k_x: Def. 2.1; t_x: Theorem 4.4), its
+    charge (``cost``, :func:`scpdr.bounds.token_cost`), its charge against the base (``anchor``,
+    None when the row does not measure it) and whether it was drawn from the base (``fallback``:
+    docs/accountant.md, Propositions 3-4)."""
 
     token_id: int
     text: str
@@ -79,6 +81,8 @@ class TokenOutput:
     t_x: float
     top_logprobs: list[tuple[int, float]]
     cost: float = 0.0
+    anchor: float | None = None
+    fallback: bool = False
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,8 @@ class Engine:
                             t_x=float(ev.t_x),
                             top_logprobs=[(int(t), float(v)) for t, v in ev.top_logprobs or []],
                             cost=float(ev.cost),
+                            anchor=None if ev.anchor is None else float(ev.anchor),
+                            fallback=bool(ev.fallback),
                         )
                     )
                 if ev.finish_reason is not None:

@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from scpdr.runtime.sampling import SamplingParams
+from scpdr.serve.certificate import NafCertificate
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -169,58 +170,6 @@ class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-
-
-class NafCertificate(_Response):
-    """The NAF certificate of one choice (the ``naf`` extension object).
-
-    ``k_x[i]`` is the bound of Definition 2.1 for the distribution the i-th completion token was
-    drawn from, under the divergence of the method's theorem (Theorem 2.3: max-divergence for
-    CP-Δ; Theorem 2.7: relative max-divergence for CP-Δr, and for SCP-Δr on the smoothed RPDs,
-    Algorithm 1). ``t_x[i]`` is the LiRA bound of Theorem 4.4, log r(y|x)/q̃(y|x) ≤ t_x for every
-    constituent. ``null`` means there is no finite bound (e.g. method "none" on one model).
-    With ``echo`` and logprobs, ``prompt_k_x``/``prompt_t_x`` certify the served prompt positions
-    too (entry 0 is null, like ``token_logprobs``), and the maxima cover them.
-
-    The accountant (``docs/accountant.md``): ``cost[i]`` is the i-th token's charge, at least the
-    realized log-likelihood ratio of everything the client sees at that position against every
-    constituent and at most ``t_x[i]``; ``sum_cost`` (tokens and served prompt positions) is the
-    **certificate of the response**: its log-likelihood ratio against every constituent is at
-    most ``sum_cost`` (chain rule), and ``sum_t_x`` is the worst case. ``budget_left`` is what
-    the choice's budget still allows (null without one).
-    """
-
-    method: str = Field(description="Aggregation rule (scpdr.methods.RULES).")
-    m: int | None = Field(description="Smoothing parameter m of SCP methods, else null.")
-    name: str = Field(description="Result-row name of the variant (scpdr.methods.SPECS).")
-    k_x: list[float | None] = Field(description="Per completion token NAF bound.")
-    t_x: list[float | None] = Field(description="Per completion token LiRA bound (Thm 4.4).")
-    max_k_x: float | None = Field(description="Max of k_x (and prompt_k_x); null if none/infinite.")
-    max_t_x: float | None = Field(
-        description="Max per-token t_x (and prompt_t_x): the worst single token, not a bound "
-        "on the response (sum_cost is); null if none/infinite."
-    )
-    cost: list[float | None] = Field(
-        default_factory=list, description="Per completion token charge (<= t_x)."
-    )
-    sum_cost: float | None = Field(
-        None,
-        description="The response's certificate: Σ cost over its tokens and served prompt "
-        "positions; null if infinite (no certificate).",
-    )
-    sum_t_x: float | None = Field(None, description="Σ t_x over the same positions (worst case).")
-    budget_left: float | None = Field(
-        None, description="Nats the choice's budget still allows; null without a budget."
-    )
-    prompt_k_x: list[float | None] | None = Field(
-        None, description="With echo + logprobs: k_x at each served prompt position."
-    )
-    prompt_t_x: list[float | None] | None = Field(
-        None, description="With echo + logprobs: t_x at each served prompt position."
-    )
-    prompt_cost: list[float | None] | None = Field(
-        None, description="With echo + logprobs: the charge of each served prompt position."
-    )
 
 
 # --------------------------------------------------------------------------------------------
