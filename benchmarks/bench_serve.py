@@ -13,10 +13,18 @@ per second of each, their ratio (goal >= 2x), and p50/p99 request latency of the
   built in memory), 3 requests per client, 16 tokens.
 - ``--bundle PATH``: serve that bundle instead.
 
-    python benchmarks/bench_serve.py [--quick] [--bundle PATH] [--rounds N]
+Then the **replicas row** (``_replicas.py``): two ``scpdr serve`` processes on this host
+sharing one PostgreSQL ledger (a throwaway cluster, :mod:`scpdr.testing_postgres`), the 16
+clients sending every request to one of them, then spreading them over both (alternating rounds,
+same processes): requests/s with 2 replicas ÷ 1, and the ledger's added latency per request
+(reserve + settle, PostgreSQL vs SQLite). ``--no-replicas`` skips it; without PostgreSQL it is
+reported as null.
 
-Last stdout line: ``{"bench": "serve", "ratios": {"batched_vs_sequential": ...}, "p50_ms": ...,
-"p99_ms": ..., ...}``.
+    python benchmarks/bench_serve.py [--quick] [--bundle PATH] [--rounds N] [--no-replicas]
+
+Last stdout line: ``{"bench": "serve", "ratios": {"batched_vs_sequential": ...,
+"two_replicas_vs_one": ..., "ledger_postgres_vs_sqlite": ...}, "p50_ms": ..., "replicas": {...},
+"ledger_ms": {...}, ...}``.
 """
 
 from __future__ import annotations
@@ -59,8 +67,19 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-async def _clients(url: str, *, requests: int, max_tokens: int, model: str) -> dict[str, Any]:
+async def _clients(
+    url: str | list[str],
+    *,
+    requests: int,
+    max_tokens: int,
+    model: str,
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``CLIENTS`` concurrent clients, ``requests`` each; with several URLs (replicas) each
+    request goes to the next one (a round-robin load balancer)."""
     import httpx
+
+    urls = [url] if isinstance(url, str) else url
 
     latencies: list[float] = []
     tokens = 0
@@ -76,7 +95,8 @@ async def _clients(url: str, *, requests: int, max_tokens: int, model: str) -> d
                 "temperature": 0,
             }
             t0 = time.perf_counter()
-            r = await http.post("/v1/completions", json=body)
+            target = urls[(c + i) % len(urls)]
+            r = await http.post(target + "/v1/completions", json=body, headers=headers)
             latencies.append(time.perf_counter() - t0)
             if r.status_code != 200:
                 errors += 1
@@ -85,7 +105,7 @@ async def _clients(url: str, *, requests: int, max_tokens: int, model: str) -> d
             tokens += r.json()["usage"]["completion_tokens"]
 
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c, http) for c in range(CLIENTS)))
         wall = time.perf_counter() - t0
@@ -134,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per configuration")
     ap.add_argument("--max-batch", type=int, default=CLIENTS, help="batched configuration")
     ap.add_argument("--threads", type=int, help="torch threads (default min(2, cpus))")
+    ap.add_argument("--no-replicas", action="store_true", help="skip the replicas row")
     args = ap.parse_args(argv)
     threads = setup(threads=args.threads)
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -142,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
+        bundle = args.bundle
         if args.bundle is not None:
             from scpdr.runtime import ProtectedLM
 
             lm, model = ProtectedLM.from_bundle(args.bundle), str(args.bundle)
         elif args.quick:
             lm, model = _tiny_lm(Path(tmp)), "tiny"
+            bundle = Path(tmp) / "bundle"
         else:
             lm = _embedded_lm()
             model = f"SmolLM2-135M ({lm.name}, K={lm.num_constituents})"
@@ -169,6 +192,22 @@ def main(argv: list[str] | None = None) -> int:
                     out["largest_batch"],
                     out["errors"],
                 )
+        replicas: dict[str, Any] = {}
+        if not args.no_replicas:
+            from _replicas import replicas_row
+
+            if bundle is None:  # the in-memory embedded model has no bundle: a tiny one
+                from scpdr.testing import make_tiny_bundle
+
+                bundle = make_tiny_bundle(Path(tmp) / "bundle")
+            replicas = replicas_row(
+                bundle,
+                Path(tmp),
+                clients=_clients,
+                rounds=args.rounds + 1,
+                requests=requests,
+                max_tokens=max_tokens,
+            )
 
     def summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
         wall = sum(x["wall"] for x in rs)
@@ -185,9 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     s = {name: summary(rs) for name, rs in runs.items()}
     ratio = s["batched"]["requests_per_s"] / s["sequential"]["requests_per_s"]
     logger.info("batched vs sequential: %.2fx (goal >= %.1fx)", ratio, GOAL)
+    ratios = {"batched_vs_sequential": round(ratio, 3)}
+    for key in ("two_replicas_vs_one", "ledger_postgres_vs_sqlite"):
+        if replicas.get(key) is not None:
+            ratios[key] = replicas[key]["mean" if key.startswith("two") else "ratio"]
     emit(
         "serve",
-        {"batched_vs_sequential": round(ratio, 3)},
+        ratios,
         p50_ms=round(s["batched"]["p50_ms"], 1),
         p99_ms=round(s["batched"]["p99_ms"], 1),
         goal=GOAL,
@@ -200,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         sequential={
             k: round(v, 2) if isinstance(v, float) else v for k, v in s["sequential"].items()
         },
+        **replicas,
     )
-    return 0 if s["batched"]["errors"] == 0 and s["sequential"]["errors"] == 0 else 1
+    replica_errors = (replicas.get("replicas") or {}).get("errors", 0)
+    ok = s["batched"]["errors"] == 0 and s["sequential"]["errors"] == 0 and replica_errors == 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

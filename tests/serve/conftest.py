@@ -1,9 +1,11 @@
-"""Shared fixtures of the server tests: one tiny bundle and its ProtectedLM per session, and a
-factory that runs a live uvicorn server on 127.0.0.1 (free port) in a background thread."""
+"""Shared fixtures of the server tests: one tiny bundle and its ProtectedLM per session, a
+factory that runs a live uvicorn server on 127.0.0.1 (free port) in a background thread, and a
+throwaway PostgreSQL cluster (``postgres_server``, a fresh database per test: ``pg_url``)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -61,3 +63,50 @@ def start_server(serve_lm: Any) -> Callable[..., contextlib.AbstractContextManag
             yield url
 
     return start
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "ray_serve: starts a local Ray instance and Ray Serve replicas (about a minute on 2 "
+        "cores); deselect with -m 'not ray_serve'",
+    )
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """The maintenance URL of a throwaway PostgreSQL cluster for the session: the one
+    ``SCPDR_TEST_POSTGRES`` names (``.ci/run`` starts it), else one started here
+    (:mod:`scpdr.testing_postgres`) and stopped at the end. Without PostgreSQL the tests that
+    need it skip — except under CI (``CI`` set), where they fail."""
+    from scpdr.testing_postgres import ENV_URL, PostgresUnavailableError, start_cluster
+
+    url = os.environ.get(ENV_URL)
+    if url:
+        yield url
+        return
+    try:
+        import psycopg  # noqa: F401
+
+        cluster = start_cluster()
+    except (ImportError, PostgresUnavailableError) as exc:
+        message = f"no PostgreSQL could be started here: {exc}"
+        if _in_ci():
+            pytest.fail(f"{message} (CI is set: the PostgreSQL ledger tests must run)")
+        pytest.skip(message)
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def pg_url(postgres_server: str) -> str:
+    """A fresh, empty database on the session's cluster."""
+    from scpdr.testing_postgres import create_database
+
+    return create_database(postgres_server)

@@ -1,6 +1,6 @@
 """The accountant in the server, through the official ``openai`` client: per-response budgets,
 per-key budgets summed over responses (n > 1, echo, streaming), 429 past the budget with its
-refill time, ``GET /v1/budget``, and usage kept across a restart (the SQLite file)."""
+refill time, ``GET /v1/budget``, and usage kept across a restart (the SQLite ledger)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_client_budget_is_per_key_kept_across_a_restart_and_429_when_spent(
 ):
     import openai
 
-    settings = dict(api_key=f"{K1},{K2}", client_budget=60.0, budget_file=str(tmp_path / "u.db"))
+    settings = dict(api_key=f"{K1},{K2}", client_budget=60.0, budget_db=str(tmp_path / "u.db"))
     with start_server(**settings) as url:
         c1 = _client(url, K1)
         assert _balance(url, K1)["remaining"] == 60.0 and _balance(url, K1)["spent"] == 0.0
@@ -126,7 +126,7 @@ def test_streaming_is_charged_and_the_window_names_the_refill(start_server, mode
     import openai
 
     settings = dict(
-        api_key=K1, client_budget=10.0, budget_window=3600.0, budget_file=str(tmp_path / "w.db")
+        api_key=K1, client_budget=10.0, budget_window=3600.0, budget_db=str(tmp_path / "w.db")
     )
     with start_server(**settings) as url:
         c1 = _client(url, K1)

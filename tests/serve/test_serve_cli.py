@@ -65,6 +65,24 @@ def test_a_busy_port_is_reported_before_any_model_loads(serve_bundle, tmp_path, 
     assert len(err.strip().splitlines()) == 1
 
 
+def test_an_unreachable_ledger_or_a_sqlite_one_for_replicas_stops_the_server_first(
+    serve_bundle, tmp_path, capsys
+):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(serve_bundle, bundle)
+    for weights in bundle.glob("constituent-0/*.safetensors"):
+        weights.write_bytes(b"not weights")  # loading the models would fail differently
+    db = "postgresql://alice:pw@127.0.0.1:1/ledger"
+    args = ["serve", str(bundle), "--device", "cpu", "--port", "0", "--client-budget", "5"]
+    assert main([*args, "--budget-db", db]) == 2
+    err = capsys.readouterr().err
+    assert "cannot use the budget ledger at postgresql://alice:***@127.0.0.1:1/ledger" in err
+    assert "pw@" not in err and len(err.strip().splitlines()) == 1, err
+    assert main([*args, "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--budget-db must be a PostgreSQL URL with --replicas 2" in err, err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is available here")
 def test_device_cuda_without_cuda_is_a_clear_error(serve_bundle, capsys):
     assert main(["serve", str(serve_bundle), "--device", "cuda"]) == 2

@@ -1,7 +1,8 @@
 """``scpdr serve BUNDLE``: the OpenAI-compatible server of a protected model (docs/serving.md).
 
 Each option is a field of :class:`scpdr.serve.config.ServeConfig` (its default, help and range come
-from there); the command builds that config and calls :func:`scpdr.serve.server.run_server`.
+from there); the command builds that config and calls :func:`scpdr.serve.server.run_server` (one
+process), or :func:`scpdr.serve.replicas.run_replicas` (``--replicas N`` / ``--address``: Ray Serve).
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def serve(
     max_request_bytes: int = _option("max_request_bytes"),
     max_sequences_per_request: int = _option("max_sequences_per_request"),
     budget: float | None = _option("budget"),
+    on_budget: str = _option("on_budget"),
+    anchor: float | None = _option("anchor"),
     client_budget: float | None = _option("client_budget"),
     budget_window: float | None = _option("budget_window"),
-    budget_file: str | None = _option("budget_file"),
+    budget_db: str | None = _option("budget_db", envvar="SCPDR_BUDGET_DB"),
+    replicas: int = _option("replicas"),
+    address: str | None = _option("address"),
     log_level: str = _option("log_level"),
 ) -> None:
     """Serve BUNDLE over the OpenAI API (completions, chat, models) with NAF certificates."""
@@ -50,7 +55,12 @@ def serve(
 
     config = ServeConfig(**settings)  # ConfigError (exit 2) before anything loads
     try:
-        run_server(bundle, config)
+        if config.uses_ray:
+            from scpdr.serve.replicas import run_replicas
+
+            run_replicas(bundle, config)
+        else:
+            run_server(bundle, config)
     except ScpdrError:
         raise
     except ValueError as exc:  # documented by from_bundle: a bad argument (m >= V, no base, ...)

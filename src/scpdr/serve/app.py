@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from scpdr.serve.chat import ChatEndpoint, chat_prompt
 from scpdr.serve.completions import CompletionEndpoint
@@ -118,7 +119,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
 
     @app.get("/v1/budget")
     async def budget(request: Request) -> Response:
-        return JSONResponse(state.accountant.balance(client(request)))
+        return JSONResponse(await run_in_threadpool(state.accountant.balance, client(request)))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:

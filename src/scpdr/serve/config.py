@@ -99,10 +99,23 @@ class ServeConfig:
         "that would go past it is withheld (finish_reason 'budget'). Default: no limit.",
         min=0,
     )
+    on_budget: str = _f(
+        "stop",
+        "What a response does when --budget (or the client's share) cannot serve its next "
+        "position: 'stop' (finish_reason 'budget') or 'base' (continue from the base model, "
+        "charged 0; needs --base model). docs/accountant.md, Proposition 3.",
+    )
+    anchor: float | None = _f(
+        None,
+        "Nats per token c: serve the mixture of the aggregate and the base model closest to "
+        "the aggregate with |log q - log base| <= c at every token (needs --base model; "
+        "docs/accountant.md, Proposition 4). Default: the aggregate itself.",
+        min=0,
+    )
     client_budget: float | None = _f(
         None,
         "Nats each API key may be charged over all its responses in --budget-window (429 "
-        "past it); kept in --budget-file across restarts. Default: no limit.",
+        "past it); kept in --budget-db across restarts. Default: no limit.",
         min=0,
     )
     budget_window: float | None = _f(
@@ -111,9 +124,24 @@ class ServeConfig:
         "it was made). Default: none, the budget never refills.",
         min=0,
     )
-    budget_file: str | None = _f(
+    budget_db: str | None = _f(
         None,
-        "SQLite file of the clients' usage (default: $SCPDR_HOME/budgets/<model id>.sqlite).",
+        "The clients' budget ledger: a SQLite file (one host; default: "
+        "$SCPDR_HOME/budgets/<model id>.sqlite) or a postgresql://USER@HOST/DB URL (replicas; "
+        "needs psycopg).",
+    )
+    # ---- replicas (Ray Serve; docs/scaling.md) -----------------------------------------------------
+    replicas: int = _f(
+        1,
+        "Serve from N replicas on Ray Serve (the scpdr[ray] extra) behind one HTTP endpoint; "
+        "with --client-budget they need a PostgreSQL --budget-db. 1 without --address: one "
+        "process, no Ray.",
+        min=1,
+    )
+    address: str | None = _f(
+        None,
+        "Ray cluster to run the replicas on (e.g. auto, or HEAD:6379); default: a local Ray "
+        "instance started for the server.",
     )
     # ---- the batching engine ----------------------------------------------------------------------
     max_batch: int = _f(8, "Most sequences decoded together.", min=1)
@@ -148,12 +176,19 @@ class ServeConfig:
             known = ", ".join(LOG_LEVELS)
             raise _error("log_level", f"must be one of {known}, got {self.log_level!r}")
         object.__setattr__(self, "log_level", self.log_level.lower())  # uvicorn's keys
-        for name in ("host", "model_name", "api_key", "budget_file"):
+        for name in ("host", "model_name", "api_key", "budget_db", "address"):
             if getattr(self, name) == "":
                 raise _error(name, "must not be empty")
         if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
             raise _error("api_key", "has an empty key (keys are separated by commas)")
-        for name in ("budget", "client_budget", "budget_window"):
+        if self.on_budget not in ("stop", "base"):
+            raise _error("on_budget", f"must be 'stop' or 'base', got {self.on_budget!r}")
+        if (self.on_budget == "base" or self.anchor is not None) and self.base != "model":
+            what = "--on-budget base" if self.on_budget == "base" else "--anchor"
+            raise _error(
+                "base", f"must be 'model' with {what}: it serves the base model's distribution"
+            )
+        for name in ("budget", "client_budget", "budget_window", "anchor"):
             x = getattr(self, name)
             if x is not None and not math.isfinite(x):
                 raise _error(name, f"must be a finite number, got {x!r}")
@@ -161,8 +196,30 @@ class ServeConfig:
             raise _error("budget_window", f"must be > 0 seconds, got {self.budget_window!r}")
         if self.budget_window is not None and self.client_budget is None:
             raise _error("budget_window", "needs --client-budget (the budget it refills)")
-        if self.budget_file is not None and self.client_budget is None:
-            raise _error("budget_file", "needs --client-budget (the usage it keeps)")
+        if self.budget_db is not None and self.client_budget is None:
+            raise _error("budget_db", "needs --client-budget (the usage it keeps)")
+        self._check_shared_ledger()
+
+    def _check_shared_ledger(self) -> None:
+        """Replicas (Ray) with a client budget need one ledger every replica reaches: PostgreSQL."""
+        if not self.uses_ray or self.client_budget is None:
+            return
+        db = self.budget_db or ""
+        if db.lower().startswith(("postgresql://", "postgres://")):
+            return
+        where = f"--replicas {self.replicas}" if self.replicas > 1 else f"--address {self.address}"
+        raise _error(
+            "budget_db",
+            f"must be a PostgreSQL URL with {where} and --client-budget: a SQLite file is one "
+            "host's (replicas elsewhere would each keep their own, so a client spreading its "
+            "requests over N replicas would get N times its budget); pass --budget-db "
+            "postgresql://USER@HOST/DB",
+        )
+
+    @property
+    def uses_ray(self) -> bool:
+        """Whether the server runs on Ray Serve (``replicas`` > 1 or an ``address``)."""
+        return self.replicas > 1 or self.address is not None
 
     def check_protection(self, method: str, *, warn: bool = True) -> None:
         """Refuse to serve ``method`` "none" (constituent 0, unprotected) unless ``unprotected``;

@@ -28,6 +28,7 @@ __all__ = [
     "PortUnavailableError",
     "bind_socket",
     "check_bundle",
+    "check_ledger",
     "load_protected",
     "resolve_device",
     "run_server",
@@ -109,6 +110,20 @@ def check_bundle(bundle: str | os.PathLike[str], config: ServeConfig) -> Any:
     return manifest
 
 
+def check_ledger(config: ServeConfig) -> None:
+    """Open the config's budget ledger once and close it (nothing without ``--client-budget``):
+    a database that cannot be reached stops the server before any model loads.
+
+    Raises:
+        LedgerUnreachableError: the ledger cannot be opened (a ConfigError naming the fix).
+    """
+    from scpdr.serve.budget import open_config_ledger
+
+    ledger = open_config_ledger(config)
+    if ledger is not None:
+        ledger.close()
+
+
 def load_protected(bundle: str | os.PathLike[str], config: ServeConfig, *, device: str) -> Any:
     """The :class:`~scpdr.runtime.ProtectedLM` of ``bundle`` with the config's method, m and
     base, on ``device``. Raises what ``ProtectedLM.from_bundle`` raises."""
@@ -120,14 +135,19 @@ def load_protected(bundle: str | os.PathLike[str], config: ServeConfig, *, devic
 
 
 def run_server(bundle: str | os.PathLike[str], config: ServeConfig) -> None:
-    """Serve ``bundle`` until interrupted: check the bundle and the device, bind the port, load
-    the model, run uvicorn on the bound socket (the served model id defaults to the bundle
-    directory's name). Every check that can fail fast runs before the model loads."""
+    """Serve ``bundle`` until interrupted: check the bundle, the device and the budget ledger,
+    bind the port, load the model, run uvicorn on the bound socket (the served model id defaults
+    to the bundle directory's name). Every check that can fail fast runs before the model loads."""
     import uvicorn
 
     from scpdr.serve.app import create_app
     from scpdr.serve.engine import Engine
 
+    if config.uses_ray:
+        raise ConfigError(
+            "run_server serves from one process; replicas (--replicas, --address) run on Ray "
+            "Serve: call scpdr.serve.replicas.run_replicas"
+        )
     if not os.path.isdir(bundle):
         raise FileNotFoundError(f"bundle directory not found: {bundle}")
     check_bundle(bundle, config)
@@ -135,6 +155,7 @@ def run_server(bundle: str | os.PathLike[str], config: ServeConfig) -> None:
     if config.model_name is None:
         name = os.path.basename(os.path.abspath(bundle))
         config = dataclasses.replace(config, model_name=name)
+    check_ledger(config)
     sock = bind_socket(config.host, config.port)
     try:
         logger.info("loading %s on %s", bundle, device)

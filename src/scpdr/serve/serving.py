@@ -23,8 +23,10 @@ from typing import Any, ClassVar
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from scpdr import methods
+from scpdr.errors import ConfigError
 from scpdr.runtime.sampling import SamplingParams
 from scpdr.serve.budget import Accountant, Allotment
 from scpdr.serve.certificate import build_certificate
@@ -88,6 +90,14 @@ class ServingState:
         self.name = str(getattr(lm, "name", lm.method))
         self.num_constituents = int(getattr(lm, "num_constituents", 0) or 0)
         self.created = int(time.time())
+        if (config.on_budget == "base" or config.anchor is not None) and getattr(
+            lm, "variant", None
+        ) != "b":
+            what = "--on-budget base" if config.on_budget == "base" else "--anchor"
+            raise ConfigError(
+                f"{what} serves from the base model's next-token distribution, and {self.name} "
+                "runs no base model: serve an SCP method with --base model (variant 'b')"
+            )
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -158,7 +168,18 @@ class ServingState:
     ) -> NafCertificate:
         """The ``naf`` object of a choice whose completion so far is ``tokens`` (held to
         ``budget``); ``listed`` restricts the per-token lists (streaming), the maxima and sums
-        cover every token."""
+        cover every token; the charges against the base and the fallback come with the tokens
+        (``TokenOutput.anchor``/``.fallback``)."""
+        anchor = [t.anchor for t in tokens]
+        prompt_anchor = None if prompt is None or not prompt.anchor else [None, *prompt.anchor]
+        measured = any(a is not None for a in anchor) or prompt_anchor is not None
+        fallback_at = private = None
+        if self.config.on_budget == "base":
+            fell = [i for i, t in enumerate(tokens) if t.fallback]
+            if prompt is not None and prompt.fallback_at is not None:
+                fell = [0]
+            fallback_at = fell[0] if fell else None
+            private = len(tokens) if fallback_at is None else fallback_at
         return build_certificate(
             method=self.method,
             m=self.m,
@@ -172,6 +193,10 @@ class ServingState:
             budget=budget,
             listed=listed,
             list_prompt=list_prompt,
+            anchor=anchor if measured else None,
+            prompt_anchor=prompt_anchor,
+            fallback_at=fallback_at,
+            private_tokens=private,
         )
 
 
@@ -197,7 +222,10 @@ class Choice:
         """What the client is charged for the choice: the charges of its tokens and served
         prompt positions (``naf.sum_cost``); a choice its budget stopped is charged its whole
         budget (the stop itself told the client that the next token costs more than was left,
-        and the client's balance then reaches 0 exactly: a 429, not empty responses)."""
+        and the client's balance then reaches 0 exactly: a 429, not empty responses). A choice
+        that fell back to the base (``--on-budget base``) is charged its ``sum_cost``: its base
+        tokens cost 0 and the switch was decided before any draw (``docs/accountant.md``,
+        Proposition 3)."""
         echoed = self.prompt_logprobs.cost if self.prompt_logprobs is not None else []
         spent = math.fsum([*echoed, *(t.cost for t in self.tokens)])
         if self.finish_reason == "budget" and self.budget is not None:
@@ -337,8 +365,10 @@ class GenerationEndpoint(ABC):
         self.state.check_model(req.model)
         choices, seqs = self.inputs(req)
         accountant = self.state.accountant
-        allotment = accountant.allot(client, len(seqs))  # BudgetExhaustedError: 429
-        seqs = _with_budgets(choices, seqs, allotment)
+        # BudgetExhaustedError: 429. Off the event loop: a ledger over the network may wait
+        # for another replica's lock on the client.
+        allotment = await run_in_threadpool(accountant.allot, client, len(seqs))
+        seqs = _with_budgets(choices, seqs, allotment, self.state.config)
 
         def settle(nats: float, allotment: Allotment = allotment) -> None:
             accountant.settle(client, allotment, nats)
@@ -381,10 +411,14 @@ class GenerationEndpoint(ABC):
             run.settle()
 
 
-def _with_budgets(choices: list[Choice], seqs: Sequences, allotment: Allotment) -> Sequences:
-    """Each sequence's sampling parameters with its allotted budget (and its choice told)."""
+def _with_budgets(
+    choices: list[Choice], seqs: Sequences, allotment: Allotment, config: ServeConfig
+) -> Sequences:
+    """Each sequence's sampling parameters with its allotted budget (and its choice told) and
+    the server's serving mode (``--on-budget``, ``--anchor``)."""
     out: Sequences = []
     for choice, (ids, params), budget in zip(choices, seqs, allotment.budgets, strict=True):
         choice.budget = budget
-        out.append((ids, dataclasses.replace(params, budget=budget)))
+        mode = {"on_budget": config.on_budget, "anchor": config.anchor}
+        out.append((ids, dataclasses.replace(params, budget=budget, **mode)))
     return out
