@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from attack_doubles import TOK, V, _real_rows, bigram_scorer
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from scpdr.attacks import rmia
@@ -127,6 +127,9 @@ def test_log_ratio_is_the_offline_formula_in_float64(pairs, a):
     st.floats(-5.0, 5.0),
     st.floats(0.1, 10.0),
 )
+# a gap below float64 rounding of the shifted values (|x| + |c| ~ 1: ulp 2.2e-16) is a tie after
+# the shift: the invariance holds for gaps rounding keeps (found by CI; pinned)
+@example(x=[0.0], z=[-3.201320871752189e-27], c=1.0, gamma=1.0)
 def test_scores_are_the_brute_force_fraction_and_ignore_a_common_shift(x, z, c, gamma):
     lx, lz = np.array(x), np.array(z)
     want = [
@@ -139,7 +142,12 @@ def test_scores_are_the_brute_force_fraction_and_ignore_a_common_shift(x, z, c, 
         for xi in x
     ]
     np.testing.assert_allclose(rmia.rmia_scores(lx, lz, gamma=gamma), want)
-    # a constant added to every target log-likelihood cancels in LR(x) / LR(z)
+    # a constant added to every target log-likelihood cancels in LR(x) / LR(z) — exactly for
+    # exact ties, and up to rounding otherwise: pairs closer than 1e-9 (but not tied) are left
+    # out of this half, since float64 may round them into a tie once shifted
+    gaps = [abs(xi - zj) for xi in x for zj in z]
+    if any(0.0 < g < 1e-9 for g in gaps):
+        return
     ref = np.zeros(len(x) + len(z))
     base = rmia.log_ratio(np.r_[lx, lz], ref)
     shifted = rmia.log_ratio(np.r_[lx, lz] + c, ref)

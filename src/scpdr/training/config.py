@@ -158,9 +158,7 @@ class TrainConfig(BaseModel):
         # DP-SGD trains LoRA adapters on one record per sequence: what DP forces is filled in,
         # and an explicit contradiction is an error naming the option
         if not isinstance(data, dict) or data.get("dp_epsilon") is None:
-            if isinstance(data, dict) and data.get("dp_delta") is not None:
-                raise ValueError("dp_delta without dp_epsilon does nothing; add --dp-epsilon")
-            return data
+            return data  # dp_delta alone: an error after the fields' own bounds (_check)
         if data.get("lora") is False:
             raise ValueError(
                 "DP training (dp_epsilon) trains LoRA adapters only: drop --no-lora / lora: false"
@@ -185,6 +183,8 @@ class TrainConfig(BaseModel):
             )
         if not self.lora_target_modules:
             raise ValueError("lora_target_modules must name at least one module")
+        if self.dp_delta is not None and self.dp_epsilon is None:
+            raise ValueError("dp_delta without dp_epsilon does nothing; add --dp-epsilon")
         return self
 
     @property
