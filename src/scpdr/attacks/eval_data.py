@@ -194,6 +194,26 @@ class EvalData:
         return cls.from_partition_set(pset, target=target, corpus=name, where=str(path))
 
     @classmethod
+    def of_records(
+        cls, records: Sequence[Any], validation: Sequence[Any], *, partition: int, corpus: str
+    ) -> EvalData:
+        """The data of the training ``records`` of ``partition`` against ``validation`` (records
+        no constituent saw): their texts, IDs (Names2IDs) and declared secrets, and the MIA
+        suite's "records" population (members ``records``, non-members ``validation``)."""
+        return cls(
+            corpus=corpus,
+            train=[r.text for r in records],
+            validation=[r.text for r in validation],
+            pii=cls.pii_records(records),
+            pii_val=cls.pii_records(validation),
+            members=list(records),
+            nonmembers=list(validation),
+            records=list(records),
+            secrets=secret_targets(records, partition=partition),
+            secrets_val=secret_targets(validation),
+        )
+
+    @classmethod
     def from_partition_set(
         cls, pset: Any, *, target: int | None = None, corpus: str, where: str = "the partitions"
     ) -> EvalData:
@@ -222,18 +242,7 @@ class EvalData:
                 len(pset.validation) - len(validation),
                 len(pset.validation),
             )
-        data = cls(
-            corpus=corpus,
-            train=[r.text for r in part],
-            validation=[r.text for r in validation],
-            pii=cls.pii_records(part),
-            pii_val=cls.pii_records(validation),
-            members=list(part),
-            nonmembers=list(validation),
-            records=list(part),
-            secrets=secret_targets(part, partition=target),
-            secrets_val=secret_targets(validation),
-        )
+        data = cls.of_records(part, validation, partition=target, corpus=corpus)
         if reg is not None:
             words = load_wordlist()
             if wordlist_hash(words) != reg.wordlist_sha256:

@@ -32,7 +32,6 @@ from scpdr.attacks.bundle_scorers import BUNDLE_METHODS, ModelStore, bundle_data
 from scpdr.attacks.eval_data import EvalData
 from scpdr.attacks.evaluation import EvalOptions, check_attacks, run_eval
 from scpdr.attacks.results import ResultRow
-from scpdr.attacks.secrets import secret_targets
 from scpdr.errors import ConfigError
 
 __all__ = ["FORGOTTEN_ATTACKS", "eval_forgotten", "forgotten_eval_data"]
@@ -49,18 +48,7 @@ def forgotten_eval_data(
     """The :class:`EvalData` of forgotten ``records`` of ``partition``: their IDs (Names2IDs) and
     declared secrets, and the MIA suite's "records" population (members: ``records``;
     non-members: ``validation``, the clean validation records)."""
-    return EvalData(
-        corpus=corpus,
-        train=[r.text for r in records],
-        validation=[r.text for r in validation],
-        pii=EvalData.pii_records(records),
-        pii_val=EvalData.pii_records(validation),
-        members=list(records),
-        nonmembers=list(validation),
-        records=list(records),
-        secrets=secret_targets(records, partition=partition),
-        secrets_val=secret_targets(validation),
-    )
+    return EvalData.of_records(records, validation, partition=partition, corpus=corpus)
 
 
 def eval_forgotten(

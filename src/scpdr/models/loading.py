@@ -29,6 +29,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "ref_kind",
+    "untie_head",
 ]
 
 Ref = str | os.PathLike[str]
@@ -154,10 +155,16 @@ def _untie_adapted_head(model: PreTrainedModel) -> None:
     merging it into the tied matrix would change the input embeddings too (peft 0.21), giving a
     different model than the one trained (and than ``scpdr.lora``'s stacked forward).
     """
+    untie_head(model, adapted_only=True)
+
+
+def untie_head(model: PreTrainedModel, *, adapted_only: bool = False) -> None:
+    """Give the output projection its own copy of the weight it shares with the input embeddings
+    (nothing when they are not tied). ``adapted_only``: only when a peft LoRA layer wraps it."""
     import torch
 
     head = model.get_output_embeddings()
-    layer = getattr(head, "base_layer", None)  # a peft LoRA layer wraps the nn.Linear
+    layer = getattr(head, "base_layer", None if adapted_only else head)
     emb = model.get_input_embeddings()
     emb_w = getattr(getattr(emb, "base_layer", emb), "weight", None)
     if layer is None or emb_w is None or layer.weight is not emb_w:

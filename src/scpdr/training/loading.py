@@ -72,16 +72,6 @@ def untie_lm_head(model: PreTrainedModel) -> None:
     change them too (peft 0.21). Untying first makes the merged model equal the trained one
     (``scpdr.models.load_model`` does the same for adapters).
     """
-    import torch
+    from scpdr.models.loading import untie_head
 
-    head = model.get_output_embeddings()
-    layer = getattr(head, "base_layer", head)
-    emb = model.get_input_embeddings()
-    emb_w = getattr(getattr(emb, "base_layer", emb), "weight", None)
-    if emb_w is None or layer.weight is not emb_w:
-        return
-    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    text_cfg = getattr(model.config, "get_text_config", None)
-    if callable(text_cfg):
-        text_cfg().tie_word_embeddings = False
+    untie_head(model)
