@@ -80,6 +80,11 @@ class BudgetOptions:
     pii_extra_steps: int = 2
     batch_size: int = 16
     seed: int = 0
+    #: serving modes (:data:`scpdr.attacks.budget_modes.MODES`); fallback and anchor need a
+    #: variant-'b' method (its base model) and are skipped for any other
+    modes: tuple[str, ...] = ("stop",)
+    #: the anchored mode's radii c, nats per token
+    anchors: tuple[float, ...] = ()
 
 
 def served_counts(costs: Sequence[Sequence[float]], budget: float | None) -> np.ndarray:
@@ -349,4 +354,17 @@ def budget_sweep(
         for attack, ref in refs.items():
             lps = batched_token_logprobs(ref, seqs, batch_size=bs)
             tr.mia_refs[attack] = [t.double().numpy() for t in lps]
-    return budget_rows(tr, opts.budgets, tokenizer=tok, corpus=corpus, seed=opts.seed)
+    rows = budget_rows(tr, opts.budgets, tokenizer=tok, corpus=corpus, seed=opts.seed)
+    if tuple(opts.modes) == ("stop",) and not opts.anchors:
+        return rows  # the stop rule with ref/lira only: the sweep before serving modes
+    from scpdr.attacks.budget_modes import sweep_modes
+
+    pii_stop = "stop" in opts.modes  # the rest of the stop rule's rows come from the modes' traces
+    keep = [r for r in rows if pii_stop and r.metric in ("pii_ael", "pii_fer")]
+    for r in keep:
+        r.extra["mode"] = "stop"
+    prompts = [s[: opts.answer_prompt_tokens] for s in val[: opts.answer_n]]
+    return keep + sweep_modes(
+        lm, method=method, options=opts, validation=val, prompts=prompts, members=mem,
+        nonmembers=non, refs=tr.mia_refs, corpus=corpus,
+    )  # fmt: skip

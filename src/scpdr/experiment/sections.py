@@ -320,6 +320,31 @@ class BudgetAttackConfig(Section):
     answer_prompt_tokens: int = Field(16, ge=1, description="tokens of each answer's prompt")
     answer_tokens: int = Field(32, ge=1, description="most tokens of an answer")
     max_tokens: int | None = Field(128, ge=2, description="tokens of each echoed example")
+    modes: list[str] = Field(
+        default_factory=lambda: ["stop"],
+        min_length=1,
+        description="serving modes: stop, fallback (to the base at each budget), anchor (at each "
+        "of `anchors`); fallback and anchor run on variant-'b' methods only",
+    )
+    anchors: list[float] = Field(
+        default_factory=list, description="the anchored mode's radii c, nats per token"
+    )
+
+    @field_validator("modes")
+    @classmethod
+    def _modes(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if m not in ("stop", "fallback", "anchor")]
+        if bad:
+            raise ValueError(f"modes must be among stop, fallback, anchor, got {bad}")
+        return list(dict.fromkeys(v))
+
+    @field_validator("anchors")
+    @classmethod
+    def _anchors(cls, v: list[float]) -> list[float]:
+        bad = [c for c in v if not (0 <= c < float("inf"))]
+        if bad:
+            raise ValueError(f"anchors must be finite numbers of nats >= 0, got {bad}")
+        return list(dict.fromkeys(float(c) for c in v))
 
     @field_validator("budgets")
     @classmethod

@@ -80,6 +80,8 @@ def run_budget(ctx: StageContext) -> None:
         max_tokens=cfg.get("max_tokens"),
         batch_size=bs,
         seed=seed,
+        modes=tuple(cfg.get("modes") or ("stop",)),
+        anchors=tuple(float(c) for c in cfg.get("anchors") or ()),
     )
     with torch.inference_mode():
         rows = budget_sweep(

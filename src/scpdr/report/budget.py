@@ -33,6 +33,7 @@ BUDGET_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("LiRA TPR@1%", f"lira_{_TPR}", "down"),
     ("accuracy", "accuracy", "up"),
     ("tokens / answer", "tokens_per_answer", "up"),
+    ("private tokens", "private_fraction", "up"),
 )
 
 
@@ -95,20 +96,36 @@ def budget_table(
     columns = [Column(h, "", "", d, "budget", (m,), None) for h, m, d in BUDGET_COLUMNS]
     columns.insert(0, Column("certified TPR@1%", "", "", "down", None, (), None))
     row_labels, row_keys, cells = [], [], []
+    # the serving mode (stop, fallback, anchor at c; rows without one: the stop rule)
+    kinds = sorted(
+        {(r.get("mode"), r.get("anchor")) for r in rows},
+        key=lambda k: (("stop", "fallback", "anchor", None).index(k[0]) if k[0] in
+                       ("stop", "fallback", "anchor", None) else 9, _key(k[1])),
+    )  # fmt: skip
     for c in corpora:
         for m in methods:
-            for b in budgets:
-                if _find(rows, corpus=c or None, method=m, budget=b) is None:
-                    continue
-                where = f"{labels.get(c, c)} · " if len(corpora) > 1 else ""
-                row_labels.append(f"{where}{M.label(m)} · B = {'∞' if b is None else f'{b:g}'}")
-                row_keys.append(f"{c}/{m}/{b}")
-                line = certified_tpr(b)
-                row = [Cell(line, format_value(line))]
-                for _, metric, _ in BUDGET_COLUMNS:
-                    r = _find(rows, corpus=c or None, method=m, budget=b, metric=metric)
-                    row.append(Cell(None if r is None else r.get("value"), _text(r)))
-                cells.append(row)
+            for mode, anchor in kinds:
+                for b in budgets if mode != "anchor" else [None]:
+                    want = {"corpus": c or None, "method": m, "budget": b, "mode": mode}
+                    if mode == "anchor":
+                        want["anchor"] = anchor
+                    if _find(rows, **want) is None:
+                        continue
+                    where = f"{labels.get(c, c)} · " if len(corpora) > 1 else ""
+                    setting = (
+                        f"anchor c = {anchor:g}" if mode == "anchor"
+                        else f"{mode + ' · ' if mode else ''}B = {'∞' if b is None else f'{b:g}'}"
+                    )  # fmt: skip
+                    row_labels.append(f"{where}{M.label(m)} · {setting}")
+                    row_keys.append(
+                        f"{c}/{m}/{b}" if mode is None else f"{c}/{m}/{mode}/{anchor}/{b}"
+                    )
+                    line = certified_tpr(b) if mode != "anchor" else 1.0
+                    row = [Cell(line, format_value(line))]
+                    for _, metric, _ in BUDGET_COLUMNS:
+                        r = _find(rows, **want, metric=metric)
+                        row.append(Cell(None if r is None else r.get("value"), _text(r)))
+                    cells.append(row)
     notes = [
         "Each example is one response held to B nats (docs/accountant.md): the attacker sees only "
         "the positions served before the budget stops it. B = ∞: no budget.",

@@ -23,6 +23,7 @@ from scpdr.attacks.mia import MIA_LABELS
 from scpdr.io import atomic_write_text
 from scpdr.report import plots
 from scpdr.report.budget import budget_plot, budget_table
+from scpdr.report.frontier import frontier_plot, frontier_points, pareto_text
 from scpdr.report.tables import (
     Table,
     canary_table,
@@ -212,6 +213,7 @@ def render_report(
         figures["mia_roc"] = None
     if "budget" in tables:  # an optional section: no "omitted" note without the sweep
         figures["budget"] = draw_or_none(budget_plot, rows, plot_dir / "budget.png")
+        figures["frontier"] = draw_or_none(frontier_plot, rows, plot_dir / "frontier.png")
 
     no_draw = "plots disabled (report.plots: false)."
     default_reasons = {
@@ -301,6 +303,16 @@ def render_report(
             "TPR at 1% FPR of LiRA and Ref vs the budget B per response, against the certified "
             "line e^B · 1%; next-token accuracy and tokens per answer vs B (docs/accountant.md).",
             reason("budget"),
+        )
+    if "frontier" in figures:
+        blocks += _figure_blocks(
+            "frontier",
+            "Privacy–utility frontier",
+            figures["frontier"],
+            "Every setting (method; budget sweep: serving mode, B or c): x = its strongest "
+            "membership test's TPR at 1% FPR, y = next-token accuracy, both with 95% intervals "
+            "(docs/accountant.md). " + pareto_text(frontier_points(rows)),
+            reason("frontier"),
         )
     blocks.append(_Block("h2", "Generations"))
     if "generations" in tables:
