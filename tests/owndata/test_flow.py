@@ -114,6 +114,45 @@ def test_eval_shows_membership_with_its_no_cp_val_row_and_power(flow, capsys):
     assert "No CP-val" in console.split("ROC AUC and TPR")[0]  # a row of the printed table
 
 
+def test_eval_budgets_sweeps_the_serving_modes_and_names_an_operating_point(flow, capsys):
+    out_dir = flow["root"] / "budgets"
+    argv = ["eval", str(flow["B"]), "--out", str(out_dir), "--methods", f"{NO_CP},{SCP_B}"]
+    argv += ["--attacks", "utility", "--lira-n", "4", "--budgets", "1,inf", "--on-budget", "base"]
+    assert main([*argv, "--anchor", "0.5"]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((out_dir / "results.json").read_text())
+    swept = [r for r in rows if r["attack"] == "budget"]
+    settings = {(r["mode"], r.get("budget"), r.get("anchor")) for r in swept}
+    assert {("stop", 1.0, None), ("fallback", 1.0, None), ("anchor", None, 0.5)} <= settings
+    assert all(r["method"] == SCP_B for r in swept)  # No CP has no certificate to budget
+    tests = ("loss", "zlib", "min-k", "min-k++", "ref", "lira", "rmia")  # every test, each setting
+    for mode, budget, anchor in settings:
+        here = {
+            r["metric"]
+            for r in swept
+            if (r["mode"], r.get("budget"), r.get("anchor")) == (mode, budget, anchor)
+        }
+        assert {f"{t}_tpr@0.01fpr" for t in tests} | {"accuracy", "private_fraction"} <= here
+    tpr = [r for r in swept if r["metric"].endswith("_tpr@0.01fpr")]
+    assert tpr and all(r["ci_low"] <= r["value"] <= r["ci_high"] for r in tpr)
+    assert any(r["method"] == "none-val" and r["metric"] == "auc" for r in rows)  # mia added
+    # one operating point, printed and in report.md, with the flags that deploy it
+    (line,) = [ln for ln in out.splitlines() if "scpdr serve" in ln and "--method" in ln]
+    assert f"--method {SCP_B}" in line
+    assert ("--on-budget" in line) or ("--anchor" in line) or ("--budget" in line)
+    assert line.strip() in " ".join((out_dir / "report.md").read_text().split())
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--budgets", "2,x"), ("--budgets", "-1"), ("--anchor", "inf")]
+)
+def test_eval_budget_grids_are_checked_before_any_model_loads(flow, capsys, flag, value):
+    argv = ["eval", str(flow["B"]), "--out", str(flow["root"] / "bad"), flag, value]
+    assert main(argv) != 0
+    assert flag in capsys.readouterr().err
+    assert not (flow["root"] / "bad" / "results.json").exists()
+
+
 def test_an_m_sweep_runs_the_smoothed_methods_at_each_m(flow, capsys):
     out = flow["root"] / "sweep"
     argv = ["eval", str(flow["B"]), "--out", str(out), "--methods", f"{NO_CP},{SCP_B}"]

@@ -85,6 +85,9 @@ class BudgetOptions:
     modes: tuple[str, ...] = ("stop",)
     #: the anchored mode's radii c, nats per token
     anchors: tuple[float, ...] = ()
+    #: every membership test of the suite for the stop rule alone too (``scpdr eval --budgets``);
+    #: without it the stop rule alone keeps the sweep's ref / lira rows
+    all_tests: bool = False
 
 
 def served_counts(costs: Sequence[Sequence[float]], budget: float | None) -> np.ndarray:
@@ -355,7 +358,7 @@ def budget_sweep(
             lps = batched_token_logprobs(ref, seqs, batch_size=bs)
             tr.mia_refs[attack] = [t.double().numpy() for t in lps]
     rows = budget_rows(tr, opts.budgets, tokenizer=tok, corpus=corpus, seed=opts.seed)
-    if tuple(opts.modes) == ("stop",) and not opts.anchors:
+    if tuple(opts.modes) == ("stop",) and not opts.anchors and not opts.all_tests:
         return rows  # the stop rule with ref/lira only: the sweep before serving modes
     from scpdr.attacks.budget_modes import sweep_modes
 

@@ -157,6 +157,18 @@ def eval_(
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Sequences per scoring batch."),
     seed: int = typer.Option(0, "--seed", help="Seed of the canary reference sample."),
     device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
+    budgets: str | None = typer.Option(
+        None,
+        "--budgets",
+        help="Budget sweep on this bundle: response budgets in nats (e.g. 2,5,10,inf); prints "
+        "the setting to deploy (docs/accountant.md).",
+    ),
+    on_budget: str = typer.Option(
+        "stop", "--on-budget", help="With --budgets: 'base' sweeps the fallback too, beside stop."
+    ),
+    anchor: str | None = typer.Option(
+        None, "--anchor", help="Budget sweep: anchored serving at these radii (nats per token)."
+    ),
     forgotten: bool = typer.Option(
         False,
         "--forgotten",
@@ -219,6 +231,13 @@ def eval_(
         return
     device = resolve_device(device)  # a bad or missing device fails before any work
     attack_list = split_list(attacks, "--attacks", ", ".join(ATTACKS))
+    from scpdr.commands.eval_budget import parse_values, run_budget_eval
+
+    budget_grid = parse_values(budgets, "--budgets", allow_inf=True)
+    anchor_grid = [float(c) for c in parse_values(anchor, "--anchor", allow_inf=False) if c]
+    sweep_budget = bool(budget_grid or anchor_grid)
+    if sweep_budget and "mia" not in attack_list:  # the No CP-val rows the verdict reads
+        attack_list.append("mia")
     check_attacks(attack_list)  # before any model is loaded
     method_list = None
     if methods is not None:
@@ -300,12 +319,36 @@ def eval_(
         point = run_eval(sweep, eval_data, attack_list, options=point_options)
         rows += _tag_m([r for r in point.rows if r.method in smoothed], value, sweep=True)
         timings += [{**t, "m": value} for t in point.timings]
+    tables, closing = [], []
+    if sweep_budget:
+        rows += run_budget_eval(
+            scorers,
+            eval_data,
+            method_list,
+            budgets=budget_grid,
+            on_budget=on_budget,
+            anchors=anchor_grid,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            mia_n=sizes["lira_n"],
+            seed=seed,
+        )
+        from scpdr.report.budget import budget_table
+        from scpdr.report.recommend import recommend, recommendation_line
+
+        table = budget_table([r.to_dict() for r in rows])
+        tables = [table] if table is not None else []
+        # the operating point: one line, after the tables (console and report.md)
+        closing = [recommendation_line(recommend([r.to_dict() for r in rows]), str(bundle))]
     if not rows:  # e.g. LiRA alone without a reference model
         raise ConfigError(
             f"no result rows: every attack of --attacks {','.join(attack_list)} was skipped "
             "(the log says why); nothing was written"
         )
-    _write_and_print(out, rows, timings, report, eval_data, method_list, main_m, ms)
+    _write_and_print(
+        out, rows, timings, report, eval_data, method_list, main_m, ms,
+        extra_tables=tables, closing=closing,
+    )  # fmt: skip
 
 
 def _check_data(
@@ -353,7 +396,9 @@ def _tag_m(rows: list[Any], m: int, *, sweep: bool) -> list[Any]:
     return out
 
 
-def _write_and_print(out, rows, timings, report, eval_data, method_list, main_m, ms) -> None:
+def _write_and_print(
+    out, rows, timings, report, eval_data, method_list, main_m, ms, *, extra_tables=(), closing=()
+) -> None:
     import logging
 
     from rich.console import Console
@@ -385,6 +430,7 @@ def _write_and_print(out, rows, timings, report, eval_data, method_list, main_m,
         tables.append(risk_table(lines, top=10))
     if ms is not None and len(ms) > 1:
         tables.append(sweep_table(rows, ms, default_m=main_m))
+    tables += list(extra_tables)
     paragraphs = method_paragraphs(rows, method_list, m=main_m)
     console = Console()
     if not console.is_terminal:  # a file or a pipe: no wrapping of the wide tables
@@ -402,6 +448,10 @@ def _write_and_print(out, rows, timings, report, eval_data, method_list, main_m,
     )
     md += "\n## What was measured, and what the certificates cover\n\n"
     md += "\n\n".join(paragraphs) + "\n"
+    if closing:  # the budget sweep's operating point
+        md += "\n## Operating point\n\n" + "\n\n".join(closing) + "\n"
+        for line in closing:
+            console.print(line, soft_wrap=True)
     atomic_write_text(out / "report.md", md)
     logging.getLogger(__name__).info(
         "wrote %d result rows and %d risk lines to %s", len(rows), len(lines), out
