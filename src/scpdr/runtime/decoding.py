@@ -179,10 +179,14 @@ class Decoder:
             if c is not None:
                 log_r, kx, tx = modes.anchored(lm.aggregator.rule, log_r, kx, tx, comps, log_b, c)
                 assert kx is not None and tx is not None
-            txs = tx.cpu().tolist()  # the decision is taken before the draw
-            blocked = [not g.private(t) for g, t in zip(ledgers, txs, strict=True)]
-            fall = [b and p.on_budget == "base" for b, p in zip(blocked, params, strict=True)]
-            if any(fall):
+            # only a fallback or an anchor budget can block a position: the others need no
+            # decision here (and no host transfer before the draw)
+            decides = any(p.on_budget == "base" or p.anchor_budget is not None for p in params)
+            if decides:
+                txs = tx.cpu().tolist()  # the decision is taken before the draw
+                blocked = [not g.private(t) for g, t in zip(ledgers, txs, strict=True)]
+                fall = [b and p.on_budget == "base" for b, p in zip(blocked, params, strict=True)]
+            if fall is not None and any(fall):
                 on = torch.tensor(fall, device=log_r.device)  # (B,)
                 log_r = torch.where(on.unsqueeze(-1), log_b, log_r)
                 kx, tx = kx.masked_fill(on, 0.0), tx.masked_fill(on, 0.0)

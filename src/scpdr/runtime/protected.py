@@ -447,7 +447,9 @@ class ProtectedLM:
                 g.fallback_at = None if ev.prompt.fallback_at is None else 0
             if ev.token_id is not None:
                 if ev.anchor is not None:
-                    g.anchor = [*(g.anchor or []), float(ev.anchor)]
+                    if g.anchor is None:
+                        g.anchor = []
+                    g.anchor.append(float(ev.anchor))
                 if ev.fallback and g.fallback_at is None:
                     g.fallback_at = len(g.token_ids)
                 g.token_ids.append(ev.token_id)
