@@ -338,13 +338,16 @@ def budget_sweep(
     """
     opts = options or BudgetOptions()
     tok, bs = lm.tokenizer, opts.batch_size
+    # the serving modes' path scores utility and membership from its own traces: here only the
+    # PII traces (the stop rule's) and the references' log-probs are needed for it
+    modal = tuple(opts.modes) != ("stop",) or bool(opts.anchors) or opts.all_tests
     tr = BudgetTraces(method)
-    if pii:
+    if pii and (not modal or "stop" in opts.modes):
         tr.pii = pii_traces(
             lm, pii, template=opts.pii_template, extra_steps=opts.pii_extra_steps, batch_size=bs
         )
     val = _ids(tok, validation, opts.max_tokens)
-    if val:
+    if val and not modal:
         tr.utility = echo_traces(lm, val, reveal=1, batch_size=bs)
         prompts = [s[: opts.answer_prompt_tokens] for s in val[: opts.answer_n]]
         tr.answers = answer_traces(lm, prompts, max_new_tokens=opts.answer_tokens, batch_size=bs)
@@ -352,18 +355,19 @@ def budget_sweep(
     refs = {a: r for a, r in (references or {}).items() if r is not None}
     if mem and non and refs:
         seqs = mem + non
-        tr.mia_target = echo_traces(lm, seqs, reveal=0, batch_size=bs)
-        tr.mia_members = len(mem)
+        if not modal:
+            tr.mia_target = echo_traces(lm, seqs, reveal=0, batch_size=bs)
+            tr.mia_members = len(mem)
         for attack, ref in refs.items():
             lps = batched_token_logprobs(ref, seqs, batch_size=bs)
             tr.mia_refs[attack] = [t.double().numpy() for t in lps]
     rows = budget_rows(tr, opts.budgets, tokenizer=tok, corpus=corpus, seed=opts.seed)
-    if tuple(opts.modes) == ("stop",) and not opts.anchors and not opts.all_tests:
+    if not modal:
         return rows  # the stop rule with ref/lira only: the sweep before serving modes
     from scpdr.attacks.budget_modes import sweep_modes
 
-    pii_stop = "stop" in opts.modes  # the rest of the stop rule's rows come from the modes' traces
-    keep = [r for r in rows if pii_stop and r.metric in ("pii_ael", "pii_fer")]
+    # the stop rule's PII rows (the only rows of budget_rows here: the traces above hold no more)
+    keep = [r for r in rows if r.metric in ("pii_ael", "pii_fer")]
     for r in keep:
         r.extra["mode"] = "stop"
     prompts = [s[: opts.answer_prompt_tokens] for s in val[: opts.answer_n]]

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from scpdr import bounds, naf
-from scpdr.attacks.mia import MIAScores, mia_rows
+from scpdr.attacks.mia import DEFAULT_K, MIAScores, mia_rows
 from scpdr.attacks.results import ResultRow
 from scpdr.attacks.rmia import log_ratio, rmia_scores
-from scpdr.attacks.scorer import FULL_CHUNK_ELEMENTS, pad_batch, pad_token_id
+from scpdr.attacks.scorer import FULL_CHUNK_ELEMENTS, pad_batch, pad_token_id, token_moments
 from scpdr.attacks.stats import bootstrap_ci
 
 __all__ = [
@@ -50,8 +50,6 @@ __all__ = [
 
 #: The serving modes of the sweep.
 MODES: tuple[str, ...] = ("stop", "fallback", "anchor")
-#: Min-K% / Min-K%++'s fraction of lowest tokens (the suite's default).
-_K = 0.2
 
 
 @dataclass(frozen=True)
@@ -102,13 +100,6 @@ class ModeTrace:
     base_correct: np.ndarray
 
 
-def _moments(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    p = logp.exp()
-    lp = torch.where(torch.isfinite(logp), logp, torch.zeros((), dtype=logp.dtype))
-    mu = (p * lp).sum(-1)
-    return mu, ((p * lp * lp).sum(-1) - mu * mu).clamp_min(0.0).sqrt()
-
-
 def mode_echo_traces(
     lm: Any,
     seqs: Sequence[Sequence[int]],
@@ -138,12 +129,12 @@ def mode_echo_traces(
                 greedy=True, full=True, components=has_base, base=has_base, anchor=anchor,
                 top_logprobs=reveal,
             )  # fmt: skip
-            mu, sd = (t.double().cpu() for t in _moments(res.logprobs.float()))
+            mu, sd = (t.double().cpu() for t in token_moments(res.logprobs.float()))
             tgt = i_[:, 1:].to(res.greedy.device)
             hit = (res.greedy == tgt).cpu()
             if has_base:
                 log_b = naf.normalize(res.components.base.float())
-                b_mu, b_sd = (t.double().cpu() for t in _moments(log_b))
+                b_mu, b_sd = (t.double().cpu() for t in token_moments(log_b))
                 b_hit = (log_b.argmax(-1).to(tgt.device) == tgt).cpu()
                 b_lp = res.base_token_logprobs
                 del log_b
@@ -185,14 +176,6 @@ def served_view(trace: ModeTrace, setting: Setting) -> tuple[np.ndarray, ...]:
     return trace.logprobs, trace.mu, trace.sigma, trace.correct, np.ones(n, bool)
 
 
-def private_positions(trace: ModeTrace, setting: Setting) -> int:
-    """Positions of the echo served from the private aggregate under ``setting``."""
-    if setting.mode == "fallback" and len(trace.cost):
-        cost, tx = torch.as_tensor(trace.cost), torch.as_tensor(trace.t_x)
-        return int(bounds.private_prefix(cost, tx, setting.budget).sum())
-    return len(served_view(trace, setting)[-1].nonzero()[0])
-
-
 def _mia(
     method: str,
     target: Sequence[ModeTrace],
@@ -216,7 +199,7 @@ def _mia(
             for a in refs:
                 means[a].append((0.0, 0.0))
             continue
-        low = max(1, int(lp.size * _K))
+        low = max(1, int(lp.size * DEFAULT_K))
         z = np.divide(lp - mu, sd, out=np.zeros_like(lp), where=sd > 0)
         scores.add("loss", member=member, score=float(np.mean(lp)))
         size = max(len(zlib.compress(texts[i].encode("utf-8"))), 1)

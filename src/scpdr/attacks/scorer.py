@@ -51,6 +51,7 @@ __all__ = [
     "score_requests",
     "scorer_name",
     "split_components",
+    "token_moments",
 ]
 
 
@@ -260,7 +261,7 @@ class PositionStats:
     sigma: Any
 
 
-def _moments(logp: Tensor) -> tuple[Tensor, Tensor]:
+def token_moments(logp: Tensor) -> tuple[Tensor, Tensor]:
     """Mean and std of ``log r(z)``, ``z ~ r``, over the last axis of log-probs ``(..., V)``
     (zero-probability tokens contribute nothing)."""
     p = logp.exp()
@@ -289,7 +290,7 @@ def batched_position_stats(
         for s in range(0, len(idx), rows):
             res = score_requests(scorer, ids[s : s + rows], mask[s : s + rows], full=True)
             full = _field(res, "logprobs").detach().float()  # (b, T-1, V)
-            mu, sd = (t.cpu().double().numpy() for t in _moments(full))
+            mu, sd = (t.cpu().double().numpy() for t in token_moments(full))
             tl = _token_logprobs_of(res).detach().cpu().double().numpy()
             del full, res
             for row, i in enumerate(idx[s : s + rows]):
