@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scpdr.attacks.stats import CI_LEVEL, N_BOOT, bootstrap_ci
+from scpdr.attacks.stats import CI_LEVEL, N_BOOT, bootstrap_ci, bootstrap_replicates
 
 __all__ = ["PairedTest", "mcnemar_exact", "paired_bootstrap"]
 
@@ -131,8 +131,7 @@ def paired_bootstrap(
     est = bootstrap_ci(d, n_boot=n_boot, seed=seed, level=level)
     if n < 2:
         return PairedTest(est.value, est.ci_low, est.ci_high, 1.0, n, "paired-bootstrap")
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, n, size=(n_boot, n))].mean(axis=-1)
+    means = bootstrap_replicates(d, n_boot=n_boot, seed=seed)  # those of est's interval
     if np.all(means == 0.0):
         p = 1.0
     else:

@@ -34,6 +34,7 @@ __all__ = [
     "Estimate",
     "RocMetrics",
     "bootstrap_ci",
+    "bootstrap_replicates",
     "ci_extra",
     "cluster_bootstrap_ci",
     "distinguishable",
@@ -117,11 +118,23 @@ def bootstrap_ci(
     value = float(statistic(arr, axis=-1))
     if n < 2:
         return Estimate(value, float("nan"), float("nan"), n)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(n_boot, n))  # (n_boot, n)
-    lo, hi = _percentiles(np.asarray(statistic(arr[idx], axis=-1), dtype=np.float64), level)
+    lo, hi = _percentiles(bootstrap_replicates(arr, statistic, n_boot=n_boot, seed=seed), level)
     # a percentile interval of a skewed statistic can miss the point estimate by rounding only
     return Estimate(value, min(lo, value), max(hi, value), n)
+
+
+def bootstrap_replicates(
+    values: np.ndarray,
+    statistic: Callable[..., np.ndarray] = np.mean,
+    *,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+) -> np.ndarray:
+    """``float64[n_boot]``: ``statistic`` of each bootstrap resample of ``values`` (the
+    replicates :func:`bootstrap_ci` reads its interval off; the same for the same seed)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, values.size, size=(n_boot, values.size))  # (n_boot, n)
+    return np.asarray(statistic(values[idx], axis=-1), dtype=np.float64)
 
 
 def ci_extra(est: Estimate) -> dict[str, float]:

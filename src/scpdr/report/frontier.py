@@ -20,14 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from scpdr import methods as M
+from scpdr.attacks.mia import MIA_ATTACKS, metric_name
 from scpdr.io import atomic_write
+
+#: The membership tests' TPR at 1% FPR (the frontier's x).
+_TPR = metric_name(0.01)
 
 __all__ = ["SETTING_KEYS", "Point", "frontier_plot", "frontier_points", "pareto", "pareto_text"]
 
-_TPR = "tpr@0.01fpr"
 #: ``extra`` keys that tell one setting of a method from another.
 SETTING_KEYS: tuple[str, ...] = ("mode", "budget", "anchor", "K", "m", "epsilon", "sweep")
-_MIA = ("loss", "zlib", "min-k", "min-k++", "ref", "lira", "rmia")
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def frontier_points(rows: Iterable[Mapping[str, Any]]) -> list[Point]:
             acc[key] = r
             continue
         test = None
-        if metric == _TPR and attack in _MIA:
+        if metric == _TPR and attack in MIA_ATTACKS:
             test = str(attack)
         elif isinstance(metric, str) and metric.endswith(f"_{_TPR}"):
             test = metric[: -len(_TPR) - 1]

@@ -19,6 +19,7 @@ from typing import Any
 from scpdr import methods as M
 from scpdr.attacks.mia import MIA_ATTACKS, MIA_LABELS
 from scpdr.attacks.results import NO_CP_VAL
+from scpdr.data.user_data import MIN_NONMEMBERS
 from scpdr.report.cells import NEAR_CHANCE, Cell, Column, Table, format_ci, marked_cells
 from scpdr.report.rows import corpora_for, differs, main_rows, ordered_methods, pick, row_value
 
@@ -31,8 +32,6 @@ MIA_COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-#: Non-members a TPR at 1% FPR needs (one false positive in 100).
-MIN_NONMEMBERS = 100
 
 
 def power_lines(rows: Iterable[Any]) -> list[str]:

@@ -24,12 +24,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from scpdr.attacks.mia import metric_name
 from scpdr.attacks.results import NO_CP_VAL
 from scpdr.attacks.stats import Estimate, distinguishable
 
+#: The membership tests' TPR at 1% FPR.
+_TPR = metric_name(0.01)
+
 __all__ = ["Recommendation", "recommend", "recommendation_line", "serve_flags"]
 
-_TPR = "tpr@0.01fpr"
 _CHANCE_TPR = 0.01
 
 
