@@ -13,7 +13,6 @@ one is there (docs/deployment.md: the constituents themselves remain as sensitiv
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from scpdr.errors import BundleError, ConfigError
+from scpdr.io import sha256_file
 
 __all__ = ["EXPORT_MANIFEST", "export_bundle", "verify_export"]
 
@@ -35,14 +35,6 @@ _WEIGHTS = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 _VOCAB = frozenset({"tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model"})
 #: Texts and secrets shorter than this are not searched for (they occur by chance).
 _MIN_SEARCHED = 6
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _copy_model(src: Path, dst: Path) -> None:
@@ -73,12 +65,12 @@ def _private_texts(bundle: Path, manifest: Any) -> list[str]:
 def _forgotten_texts(bundle: Path) -> list[str]:
     """The texts and declared secrets of the records ``scpdr forget`` removed (kept in
     ``forgotten/`` for ``scpdr eval --forgotten``; never copied, and searched for like the rest)."""
-    d = bundle / "forgotten"
-    if not d.is_dir():
-        return []
-    from scpdr.data import load_records
+    from scpdr.training.forget import FORGOTTEN_DIR, load_forgotten
 
-    recs = [r for f in sorted(d.glob("*.jsonl")) for r in load_records(f)]
+    if not (bundle / FORGOTTEN_DIR).is_dir():
+        return []
+    parts, validation = load_forgotten(bundle)
+    recs = [r for part in parts.values() for r in part] + validation
     return [r.text for r in recs] + [s for r in recs for s in r.secrets]
 
 
@@ -172,7 +164,7 @@ def export_bundle(
                 "secret; remove it from the model directories and export again"
             )
         files = {
-            p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()
+            p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         (tmp / EXPORT_MANIFEST).write_text(
             json.dumps(
@@ -203,7 +195,7 @@ def verify_export(path: str | os.PathLike[str]) -> list[str]:
     missing, and files not listed there; empty when the bundle is intact."""
     path = Path(path)
     listed = json.loads((path / EXPORT_MANIFEST).read_text(encoding="utf-8"))["files"]
-    bad = [f for f, h in listed.items() if not (path / f).is_file() or _sha256(path / f) != h]
+    bad = [f for f, h in listed.items() if not (path / f).is_file() or sha256_file(path / f) != h]
     present = {
         p.relative_to(path).as_posix()
         for p in path.rglob("*")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -59,3 +60,12 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int = 2
 
 def read_json(path: str | os.PathLike[str]) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -55,8 +55,9 @@ from scpdr.data.manifest import (
 )
 from scpdr.data.records import Record, load_records, records_hash, save_records
 from scpdr.errors import BundleError, ConfigError
-from scpdr.io import atomic_write_json, read_json
+from scpdr.io import atomic_write_json, read_json, sha256_file
 from scpdr.training.config import TrainConfig
+from scpdr.training.loading import TRAIN_INFO
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback
@@ -80,7 +81,6 @@ __all__ = [
 FORGOTTEN_DIR = "forgotten"
 #: What an unfinished forget builds (in its staging directory): the source and the request.
 _STATE = "forget.json"
-_TRAIN_INFO = "train_info.json"
 
 
 def deletion_hash(salt: str, record_id: str) -> str:
@@ -138,10 +138,6 @@ class ForgetResult:
         return "\n".join(lines)
 
 
-def _sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _inside(path: Path, root: Path) -> Path | None:
     """``path`` relative to ``root`` when it lies inside it, else None."""
     try:
@@ -195,10 +191,10 @@ def _recorded_config(
     from scpdr.models.bundle import resolve_ref
 
     cdir = Path(resolve_ref(bundle, manifest.constituents[i]))
-    info_path = cdir / _TRAIN_INFO
+    info_path = cdir / TRAIN_INFO
     if not info_path.is_file():
         raise ConfigError(
-            f"{cdir} has no {_TRAIN_INFO}: it was not trained by `scpdr train`, so `scpdr "
+            f"{cdir} has no {TRAIN_INFO}: it was not trained by `scpdr train`, so `scpdr "
             "forget` cannot train it again with the same settings; train a new bundle on the "
             "remaining data instead"
         )
@@ -234,11 +230,13 @@ def _train_base(bundle: Path, manifest: BundleManifest, new_root: Path) -> str:
     return ref if rel is None else str(new_root / rel)
 
 
-def _source_state(bundle: Path, selection: DeletionSelection) -> dict[str, Any]:
+def _source_state(
+    bundle: Path, selection: DeletionSelection, manifest_sha256: str
+) -> dict[str, Any]:
     removed = hashlib.sha256("\n".join(sorted(selection.ids)).encode("utf-8")).hexdigest()
     return {
         "source": str(bundle.resolve()),
-        "source_sha256": _sha256_file(bundle / "scpdr.json"),
+        "source_sha256": manifest_sha256,
         "removed_sha256": removed,
     }
 
@@ -392,7 +390,8 @@ def forget_records(
 
     tmp = out.parent / f".{out.name}.forget-tmp"
     out.parent.mkdir(parents=True, exist_ok=True)
-    _begin(tmp, _source_state(src, selection), out)
+    source_sha256 = sha256_file(src / "scpdr.json")  # the deletion log's and the resume check's
+    _begin(tmp, _source_state(src, selection, source_sha256), out)
     base = _train_base(src, manifest, tmp)
     if base != resolve_ref(src, manifest.base or ""):  # the base lies in the bundle: copy it
         _link_tree(Path(resolve_ref(src, manifest.base or "")), Path(base))
@@ -437,7 +436,7 @@ def forget_records(
         id_hashes=sorted(deletion_hash(salt, i) for i in selection.ids),
         salt=salt,
         source=str(src.resolve()),
-        source_sha256=_sha256_file(src / "scpdr.json"),
+        source_sha256=source_sha256,
     )
     refs = [tmp / f"constituent-{i}" for i in range(k)]
     extra = dict(manifest.extra)
