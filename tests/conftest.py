@@ -22,6 +22,19 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors and models run faster on one thread: on a shared 2-core machine OpenMP
+    hand-offs stall every small op. A module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory) -> Path:
     """THE tiny bundle of the test session (``make_tiny_bundle(k=2, constant_base=False)``: a

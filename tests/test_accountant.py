@@ -21,12 +21,7 @@ TOL = 1e-4
 RULES = tuple(r for r in methods.RULES if r in methods.STATELESS_RULES and r != "none")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread
 
 
 def _aggregate(rule: str, x: torch.Tensor, base: torch.Tensor, m: int):

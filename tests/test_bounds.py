@@ -37,13 +37,7 @@ def np64(t: torch.Tensor) -> np.ndarray:
     return t.double().numpy()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one thread avoids OpenMP hand-offs, which stall on a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread
 
 
 # --------------------------------------------------------------------------------------------

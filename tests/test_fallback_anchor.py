@@ -33,12 +33,7 @@ FORWARD_TOL = f32_tol(-naf.LOG_FLOOR, ops=64)
 PROMPTS = ["My secret code is", "Hello there, how are", "x"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread
 
 
 # ------------------------------------------------------------------------------------------------

@@ -59,14 +59,7 @@ SPECS = [s for s in methods.SPECS.values() if s.kind == "aggregate" and s.rule !
 CONFIGS = [(s.rule, VARIANT[s.base]) for s in SPECS]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run faster on one thread, and on a shared 2-core machine two threads stall on
-    every small matmul (this module: ~20 s with one thread, ~90 s with two under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ ALL_METHODS = list(naf.METHODS)
 CP_METHODS = [m for m in ALL_METHODS if m != "none"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one thread avoids OpenMP hand-offs, which stall on a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread
 
 
 # --------------------------------------------------------------------------------------------

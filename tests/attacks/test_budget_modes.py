@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from scpdr import models
 from scpdr.attacks.budget import BudgetOptions, budget_sweep
@@ -29,12 +28,7 @@ VAL = [
 TOL = 2e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread
 
 
 @pytest.fixture(scope="module")

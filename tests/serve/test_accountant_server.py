@@ -8,25 +8,12 @@ import math
 
 import httpx
 import pytest
+from openai_helpers import balance as _balance
+from openai_helpers import client as _client
+from openai_helpers import naf as _naf
 
 PROMPT = "The weather explains the results"
 K1, K2 = "key-one", "key-two"
-
-
-def _client(url: str, key: str = "unused"):
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def _naf(choice) -> dict:
-    return choice.model_extra["naf"]
-
-
-def _balance(url: str, key: str) -> dict:
-    r = httpx.get(url + "/v1/budget", headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def _charged(choices) -> float:

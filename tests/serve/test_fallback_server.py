@@ -6,30 +6,15 @@ restart keeps it; the modes are refused where there is no base model."""
 from __future__ import annotations
 
 import pytest
+from openai_helpers import balance as _balance
+from openai_helpers import client as _client
+from openai_helpers import naf as _naf
 
 from scpdr.errors import ConfigError
 
 PROMPT = "The weather explains the results"
 KEY = "key-one"
 BUDGET = 8.0  # nats: a few tokens of this bundle (its constituent 0 memorized a secret)
-
-
-def _client(url: str, key: str = "unused"):
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def _naf(choice) -> dict:
-    return choice.model_extra["naf"]
-
-
-def _balance(url: str, key: str) -> dict:
-    import httpx
-
-    r = httpx.get(url + "/v1/budget", headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_on_budget_base_answers_past_the_budget_and_is_charged_its_cost(
