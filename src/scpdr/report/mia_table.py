@@ -19,7 +19,6 @@ from typing import Any
 from scpdr import methods as M
 from scpdr.attacks.mia import MIA_ATTACKS, MIA_LABELS
 from scpdr.attacks.results import NO_CP_VAL
-from scpdr.data.user_data import MIN_NONMEMBERS
 from scpdr.report.cells import NEAR_CHANCE, Cell, Column, Table, format_ci, marked_cells
 from scpdr.report.rows import corpora_for, differs, main_rows, ordered_methods, pick, row_value
 
@@ -30,6 +29,11 @@ MIA_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("auc", "AUC", "center"),
     ("tpr@0.01fpr", "TPR@1%", "down"),
 )
+
+#: Non-members a TPR at 1% FPR needs (one false positive in 100). The same rule as
+#: ``scpdr.data.user_data.MIN_NONMEMBERS``: a report stage does not import the data layer (its
+#: stage hash covers report, attacks and methods only).
+MIN_NONMEMBERS = 100
 
 
 
