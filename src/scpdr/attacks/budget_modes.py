@@ -23,7 +23,6 @@ from the anchored aggregate). Rows: attack ``"budget"``, ``extra["mode"]`` ("sto
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,14 @@ import numpy as np
 import torch
 
 from scpdr import bounds, naf
-from scpdr.attacks.mia import DEFAULT_K, MIAScores, mia_rows
+from scpdr.attacks.mia import (
+    REFERENCE_FREE,
+    ExampleStats,
+    MIAScores,
+    mia_rows,
+    ratio_score,
+    scores_from_stats,
+)
 from scpdr.attacks.results import ResultRow
 from scpdr.attacks.rmia import log_ratio, rmia_scores
 from scpdr.attacks.scorer import FULL_CHUNK_ELEMENTS, pad_batch, pad_token_id, token_moments
@@ -194,21 +200,16 @@ def _mia(
         lp, mu, sd, _, served = served_view(t, setting)
         member = i < n_mem
         if lp.size == 0:  # nothing served: no evidence, every test scores 0
-            for a in ("loss", "zlib", "min-k", "min-k++", *refs):
+            for a in (*REFERENCE_FREE, *refs):
                 scores.add(a, member=member, score=0.0)
             for a in refs:
                 means[a].append((0.0, 0.0))
             continue
-        low = max(1, int(lp.size * DEFAULT_K))
-        z = np.divide(lp - mu, sd, out=np.zeros_like(lp), where=sd > 0)
-        scores.add("loss", member=member, score=float(np.mean(lp)))
-        size = max(len(zlib.compress(texts[i].encode("utf-8"))), 1)
-        scores.add("zlib", member=member, score=float(np.sum(lp)) / size)
-        scores.add("min-k", member=member, score=float(np.mean(np.partition(lp, low - 1)[:low])))
-        scores.add("min-k++", member=member, score=float(np.mean(np.partition(z, low - 1)[:low])))
+        for a, v in scores_from_stats(ExampleStats(lp, mu, sd, texts[i])).items():
+            scores.add(a, member=member, score=v)
         for a, ref in refs.items():
             r = ref[i][: len(served)][served]
-            scores.add(a, member=member, score=float(np.sum(lp - r)))
+            scores.add(a, member=member, score=ratio_score(lp, r))
             means[a].append((float(np.mean(lp)), float(np.mean(r))))
     via = "lira" if "lira" in refs else "ref" if "ref" in refs else None
     extra = {"rmia": {"reference": "p0" if via == "lira" else "base"}} if via else None
