@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,15 @@ def _f(
     """A field with its help text, range and ``scpdr serve`` option (default ``--field-name``)."""
     return field(default=default, metadata={"help": help, "min": min, "max": max, "option": option})
 
+
+
+#: The ``--budget-db`` schemes of a PostgreSQL ledger (anything else is a SQLite file).
+POSTGRES_SCHEMES: tuple[str, ...] = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(target: str | os.PathLike[str] | None) -> bool:
+    """Whether ``--budget-db`` names a PostgreSQL database (else it is a SQLite file)."""
+    return isinstance(target, str) and target.lower().startswith(POSTGRES_SCHEMES)
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -204,8 +214,7 @@ class ServeConfig:
         """Replicas (Ray) with a client budget need one ledger every replica reaches: PostgreSQL."""
         if not self.uses_ray or self.client_budget is None:
             return
-        db = self.budget_db or ""
-        if db.lower().startswith(("postgresql://", "postgres://")):
+        if is_postgres_url(self.budget_db):
             return
         where = f"--replicas {self.replicas}" if self.replicas > 1 else f"--address {self.address}"
         raise _error(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from scpdr.serve.config import is_postgres_url
 from scpdr.serve.ledger.base import (
     EXHAUSTED,
     Allotment,
@@ -35,14 +36,6 @@ __all__ = [
     "is_postgres_url",
     "open_ledger",
 ]
-
-_SCHEMES = ("postgresql://", "postgres://")
-
-
-def is_postgres_url(target: str | os.PathLike[str] | None) -> bool:
-    """Whether ``--budget-db`` names a PostgreSQL database (else it is a SQLite file)."""
-    return isinstance(target, str) and target.lower().startswith(_SCHEMES)
-
 
 def open_ledger(
     target: str | os.PathLike[str],
