@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from scpdr.data.grouping import near_duplicate_pairs
 from scpdr.data.manifest import CONTAMINATED_VALIDATION, PartitionEntry, PartitionSet
 from scpdr.data.records import DataError, Record, records_hash
+from scpdr.data.secrets import secret_index
 
 __all__ = [
     "DeletionSelection",
@@ -113,14 +114,16 @@ def select_deletion(
                 f"no record belongs to group {_names(unknown)} (the values of the --group-field "
                 "column, matched exactly); nothing was forgotten"
             )
-        chosen = {r.id for r in every if r.group in set(groups)}
+        wanted = set(groups)
+        chosen = {r.id for r in every if r.group in wanted}
         kind = "group"
     else:
         try:
             rx = re.compile(str(secret_matching))
         except re.error as exc:
             raise DataError(f"--secret-matching is not a regular expression ({exc})") from None
-        secrets = {s for r in every for s in r.secrets if rx.search(s)}
+        index = secret_index(every)  # each declared secret: the records declaring or holding it
+        secrets = {s for s in index if rx.search(s)}
         if not secrets:
             n = sum(len(r.secrets) for r in every)
             raise DataError(
@@ -132,7 +135,7 @@ def select_deletion(
                 )
                 + "); nothing was forgotten"
             )
-        chosen = {r.id for r in every if any(s in r.text for s in secrets)}
+        chosen = {every[i].id for s in secrets for i in index[s]}
         kind = "secret-matching"
     canary_ids = {r.id for r in pset.canaries.records()} if pset.canaries is not None else set()
     canaries = chosen & canary_ids
