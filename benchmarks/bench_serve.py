@@ -73,7 +73,6 @@ async def _clients(
     requests: int,
     max_tokens: int,
     model: str,
-    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``CLIENTS`` concurrent clients, ``requests`` each; with several URLs (replicas) each
     request goes to the next one (a round-robin load balancer)."""
@@ -96,7 +95,7 @@ async def _clients(
             }
             t0 = time.perf_counter()
             target = urls[(c + i) % len(urls)]
-            r = await http.post(target + "/v1/completions", json=body, headers=headers)
+            r = await http.post(target + "/v1/completions", json=body)
             latencies.append(time.perf_counter() - t0)
             if r.status_code != 200:
                 errors += 1
