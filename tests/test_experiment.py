@@ -152,6 +152,10 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
             "attacks.generations.methods",
         ),
         (
+            {"attacks": {"budget": {"methods": ["cp-kl"]}}},
+            "attacks.budget.methods",
+        ),
+        (
             {"sweeps": [{"key": "train.epochz", "values": [1]}]},
             "sweeps.0.key: 'train.epochz' is not a config key",
         ),
@@ -229,6 +233,19 @@ def test_plan_hashes_depend_only_on_relevant_settings():
     stages_c, _ = plan(base.with_value("train.learning_rate", 5e-3))
     changed = {s.name.split("/")[0] for s in stages_c if s.key not in a}
     assert "train" in changed and "partitions" not in changed
+
+
+def test_budget_methods_limit_the_sweep_to_those_methods():
+    patch = {"attacks": {"budget": {"methods": ["scp-delta-r"]}}}
+    base = merged(tiny_dict(), {"sweeps": []})
+    base["corpora"][0]["attacks"] = ["utility", "budget"]
+    every, _ = plan(validate_config(base))
+    some, _ = plan(validate_config(merged(base, patch)))
+    swept = lambda stages: {s.name for s in stages if s.name.endswith("/budget")}  # noqa: E731
+    assert len(swept(every)) == len(validate_config(base).all_methods) > 1
+    assert swept(some) == {"attack/names2ids/scp-delta-r-b/budget"}  # the alias's row
+    utility = lambda stages: {s.name for s in stages if s.name.endswith("/utility")}  # noqa: E731
+    assert utility(some) == utility(every)  # the other attacks keep every method
 
 
 def test_sweep_point_stages_carry_their_sweep_value_in_the_label():

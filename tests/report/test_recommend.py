@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scpdr.attacks.results import NO_CP_VAL
-from scpdr.report.recommend import recommend, recommendation_line
+from scpdr.report.recommend import operating_points_text, recommend, recommendation_line
 
 M = "scp-delta-r-b"
 
@@ -145,3 +145,21 @@ def test_declared_secrets_above_chance_block_every_setting():
     assert recommend(rows).reached and not recommend(rows + sec).reached
     assert recommend([]) is None
     assert "none" in recommendation_line(None)
+
+
+def test_a_restricted_search_compares_the_stop_rule_at_the_same_guarantee():
+    rows = VAL + _setting("stop", budget=5.0, **CHANCE, acc=0.06, tpa=2.8)
+    rows += _setting("fallback", budget=5.0, **CHANCE, acc=0.30, tpa=7.8)
+    rows += _setting("stop", budget=None, **LEAKY, acc=0.32, tpa=7.8)
+    rows += _setting("stop", budget=None, **LEAKY, acc=0.5, tpa=9.0, method="cp-delta-r")
+    stop = recommend(rows, method=M, modes=("stop",))
+    assert stop.reached and (stop.mode, stop.budget, stop.accuracy) == ("stop", 5.0, 0.06)
+    assert recommend(rows, method="cp-delta-r").method == "cp-delta-r"
+    assert recommend(rows, method="nope") is None
+    text = operating_points_text(rows)
+    mine = text[text.index(f"{M} —") :]
+    assert "at chance: fallback B = 5 (accuracy 0.3, 7.8 tokens" in mine
+    assert "the stop rule at chance: stop B = 5 (accuracy 0.06, 2.8 tokens" in mine
+    assert "unbudgeted: accuracy 0.32, 7.8 tokens per answer" in mine
+    assert "cp-delta-r — no setting at chance" in text
+    assert operating_points_text(VAL) == ""

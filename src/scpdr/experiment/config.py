@@ -145,6 +145,15 @@ class ExperimentConfig(Section):
                 f"attacks.generations.methods: {bad} are not among the evaluated methods "
                 f"{self.all_methods}"
             )
+        budget = self.attacks.budget
+        if budget.methods is not None:
+            budget.methods = list(dict.fromkeys(M.canonical(m) for m in budget.methods))
+            bad = [m for m in budget.methods if m not in self.all_methods]
+            if bad:
+                raise ValueError(
+                    f"attacks.budget.methods: {bad} are not among the evaluated methods "
+                    f"{self.all_methods}"
+                )
         for i, s in enumerate(self.sweeps):
             if s.key.split(".")[0] in {"sweeps", "corpora", "name"}:
                 raise ValueError(f"sweeps.{i}.key: {s.key!r} cannot be swept")

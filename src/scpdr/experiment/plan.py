@@ -338,6 +338,9 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
         for attack in attacks:
             if attack == "generations" and method not in cfg.attacks.generations.methods:
                 continue
+            only = cfg.attacks.budget.methods
+            if attack == "budget" and only is not None and method not in only:
+                continue
             section = getattr(cfg.attacks, attack).model_dump()
             inputs: dict[str, Any] = {
                 "method": method,

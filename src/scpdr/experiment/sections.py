@@ -329,6 +329,11 @@ class BudgetAttackConfig(Section):
     anchors: list[float] = Field(
         default_factory=list, description="the anchored mode's radii c, nats per token"
     )
+    methods: list[str] | None = Field(
+        None,
+        description="methods swept (null: every evaluated method); the others keep their "
+        "unbudgeted rows on the frontier",
+    )
 
     @field_validator("modes")
     @classmethod

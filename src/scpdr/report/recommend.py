@@ -31,7 +31,13 @@ from scpdr.attacks.stats import Estimate, distinguishable
 #: The membership tests' TPR at 1% FPR.
 _TPR = metric_name(0.01)
 
-__all__ = ["Recommendation", "recommend", "recommendation_line", "serve_flags"]
+__all__ = [
+    "Recommendation",
+    "operating_points_text",
+    "recommend",
+    "recommendation_line",
+    "serve_flags",
+]
 
 _CHANCE_TPR = 0.01
 
@@ -95,12 +101,19 @@ def _secrets_ok(rows: list[Mapping[str, Any]], method: str) -> bool:
     return True
 
 
-def recommend(rows: Iterable[Mapping[str, Any]]) -> Recommendation | None:
+def recommend(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    method: str | None = None,
+    modes: Iterable[str] | None = None,
+) -> Recommendation | None:
     """The setting of the budget sweep with the best utility whose strongest membership test
     (and secret extraction, when declared) is within CI of the validation row; when none is,
     the setting closest to it (lowest strongest TPR@1%, then best utility) with ``reached``
     False. None when no setting has membership rows. Ties in utility go to the smaller budget /
-    anchor (the stronger certificate), then to the method's name."""
+    anchor (the stronger certificate), then to the method's name. ``method`` / ``modes``
+    restrict the settings considered (e.g. the stop rule alone, to compare at one guarantee)."""
+    allowed = None if modes is None else set(modes)
     rows = [r for r in rows if r.get("value") is not None]
     val_auc = {
         str(r["attack"]): _est(r)
@@ -111,14 +124,18 @@ def recommend(rows: Iterable[Mapping[str, Any]]) -> Recommendation | None:
     for r in rows:
         if r.get("attack") != "budget" or _get(r, "mode") is None:
             continue
+        if method is not None and r.get("method") != method:
+            continue
+        if allowed is not None and _get(r, "mode") not in allowed:
+            continue
         key = (str(r["method"]), str(_get(r, "mode")), _get(r, "budget"), _get(r, "anchor"))
         groups.setdefault(key, {})[str(r["metric"])] = r
     found: list[tuple[tuple[Any, ...], Recommendation]] = []
-    for (method, mode, budget, anchor), metrics in groups.items():
+    for (meth, mode, budget, anchor), metrics in groups.items():
         tests = sorted(m[: -len(_TPR) - 1] for m in metrics if m.endswith(f"_{_TPR}"))
         if not tests:
             continue
-        ok = _secrets_ok(rows, method)
+        ok = _secrets_ok(rows, meth)
         strongest, best = "", -math.inf
         for t in tests:
             tpr = _est(metrics[f"{t}_{_TPR}"])
@@ -133,11 +150,11 @@ def recommend(rows: Iterable[Mapping[str, Any]]) -> Recommendation | None:
         tr = _est(metrics[f"{strongest}_{_TPR}"])
         acc = _num((metrics.get("accuracy") or {}).get("value"))
         tpa = _num((metrics.get("tokens_per_answer") or {}).get("value"))
-        rec = Recommendation(method, mode, budget, anchor, ok, strongest, tr.value, tr.ci_low,
+        rec = Recommendation(meth, mode, budget, anchor, ok, strongest, tr.value, tr.ci_low,
                              tr.ci_high, acc, tpa)  # fmt: skip
         size = anchor if mode == "anchor" else budget
         util = (-(acc if math.isfinite(acc) else -1.0), -(tpa if math.isfinite(tpa) else -1.0))
-        tie = (math.inf if size is None else float(size), method, mode)
+        tie = (math.inf if size is None else float(size), meth, mode)
         found.append(((not ok, tr.value if not ok else 0.0, *util, *tie), rec))
     if not found:
         return None
@@ -170,3 +187,45 @@ def recommendation_line(rec: Recommendation | None, bundle: str = "BUNDLE") -> s
                 f"and the best utility of those that are ({cost}); deploy: {cmd}")  # fmt: skip
     return (f"Recommendation: no setting of the grid reaches chance; the closest is {what} "
             f"({cost}; deploy: {cmd}) — try smaller budgets or anchors.")  # fmt: skip
+
+
+def _setting_text(rec: Recommendation) -> str:
+    size = (
+        f"c = {rec.anchor:g}"
+        if rec.mode == "anchor"
+        else "B = ∞"
+        if rec.budget is None
+        else f"B = {rec.budget:g}"
+    )
+    return (
+        f"{rec.mode} {size} (accuracy {rec.accuracy:.3g}, {rec.tokens_per_answer:.3g} tokens per "
+        f"answer; strongest test {rec.test} TPR@1% {rec.tpr:.3g} [{rec.tpr_low:.3g}, "
+        f"{rec.tpr_high:.3g}])"
+    )
+
+
+def operating_points_text(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Per budgeted method, one sentence: the best setting at chance over every serving mode, the
+    stop rule's best at the same guarantee, and the unbudgeted utility they are measured
+    against (the report's "Privacy–utility frontier"); empty without budget rows."""
+    rows = [r for r in rows if r.get("value") is not None]
+    methods = sorted({str(r["method"]) for r in rows if r.get("attack") == "budget"})
+    out: list[str] = []
+    for m in methods:
+        best, stop = recommend(rows, method=m), recommend(rows, method=m, modes=("stop",))
+        if best is None or stop is None:
+            continue
+        free = [
+            r for r in rows
+            if r.get("attack") == "budget" and r.get("method") == m and _get(r, "mode") == "stop"
+            and _get(r, "budget") is None
+        ]  # fmt: skip
+        acc = _num(next((r["value"] for r in free if r["metric"] == "accuracy"), None))
+        tpa = _num(next((r["value"] for r in free if r["metric"] == "tokens_per_answer"), None))
+        head = "at chance: " if best.reached else "no setting at chance; closest: "
+        tail = "at chance: " if stop.reached else "not at chance; closest: "
+        out.append(
+            f"{m} — {head}{_setting_text(best)}; the stop rule {tail}{_setting_text(stop)}; "
+            f"unbudgeted: accuracy {acc:.3g}, {tpa:.3g} tokens per answer."
+        )
+    return " ".join(out)

@@ -24,6 +24,7 @@ from scpdr.io import atomic_write_text
 from scpdr.report import plots
 from scpdr.report.budget import budget_plot, budget_table
 from scpdr.report.frontier import frontier_plot, frontier_points, pareto_text
+from scpdr.report.recommend import operating_points_text
 from scpdr.report.tables import (
     Table,
     canary_table,
@@ -311,7 +312,9 @@ def render_report(
             figures["frontier"],
             "Every setting (method; budget sweep: serving mode, B or c): x = its strongest "
             "membership test's TPR at 1% FPR, y = next-token accuracy, both with 95% intervals "
-            "(docs/accountant.md). " + pareto_text(frontier_points(rows)),
+            "(docs/accountant.md). "
+            + pareto_text(frontier_points(rows))
+            + (" Operating points: " + ops if (ops := operating_points_text(rows)) else ""),
             reason("frontier"),
         )
     blocks.append(_Block("h2", "Generations"))
