@@ -23,6 +23,7 @@ from scpdr.attacks.mia import MIA_LABELS
 from scpdr.io import atomic_write_text
 from scpdr.report import plots
 from scpdr.report.budget import budget_plot, budget_table
+from scpdr.report.compare_table import compare_table
 from scpdr.report.frontier import frontier_plot, frontier_points, pareto_text
 from scpdr.report.recommend import operating_points_text
 from scpdr.report.tables import (
@@ -160,6 +161,9 @@ def render_report(
     mia = mia_table(rows, corpus_labels=labels)
     if mia is not None:
         tables["mia"] = mia
+    compare = compare_table(rows, corpus_labels=labels)
+    if compare is not None:
+        tables["compare"] = compare
     budget = budget_table(rows, corpus_labels=labels)
     if budget is not None:
         tables["budget"] = budget
@@ -248,6 +252,7 @@ def render_report(
         "kx": "k_x bounds (99th percentile)",
         "canary": "Canary exposure by repetitions",
         "mia": "Membership inference",
+        "compare": "Against the DP baselines",
         "budget": "Extraction budget",
     }
     for key, heading in sections.items():  # the optional tables, each with its notes once
