@@ -69,3 +69,18 @@ def test_the_report_draws_the_frontier_with_the_sweep(tmp_path):
     md = rep.markdown.read_text()
     assert rep.figures["frontier"] is not None and rep.figures["frontier"].exists()
     assert "plots/frontier.png" in md and "Pareto set" in md and "fallback · B = 5" in md
+
+
+def test_each_sweep_point_is_its_own_setting():
+    rows = []
+    for k, tpr, acc in ((2, 0.06, 0.32), (4, 0.03, 0.30)):
+        tag = {"sweep": "partitions.k", "sweep_value": k}
+        rows += [
+            {"method": "scp-delta-r-b", "attack": "ref", "metric": "tpr@0.01fpr", "value": tpr,
+             **tag},
+            {"method": "scp-delta-r-b", "attack": "utility", "metric": "accuracy", "value": acc,
+             **tag},
+        ]  # fmt: skip
+    pts = {p.label: p for p in frontier_points(rows)}
+    assert sorted(pts) == ["SCP-Δr-b · partitions.k = 2", "SCP-Δr-b · partitions.k = 4"]
+    assert pts["SCP-Δr-b · partitions.k = 4"].tpr == 0.03

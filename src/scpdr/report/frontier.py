@@ -29,7 +29,16 @@ _TPR = metric_name(0.01)
 __all__ = ["SETTING_KEYS", "Point", "frontier_plot", "frontier_points", "pareto", "pareto_text"]
 
 #: ``extra`` keys that tell one setting of a method from another.
-SETTING_KEYS: tuple[str, ...] = ("mode", "budget", "anchor", "K", "m", "epsilon", "sweep")
+SETTING_KEYS: tuple[str, ...] = (
+    "mode",
+    "budget",
+    "anchor",
+    "K",
+    "m",
+    "epsilon",
+    "sweep",
+    "sweep_value",
+)
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,10 @@ def _label(key: tuple[Any, ...]) -> str:
     elif swept or vals["budget"] is not None:
         b = vals.pop("budget")
         parts.append("B = ∞" if b is None else f"B = {b:g}")
+    sweep, value = vals.pop("sweep"), vals.pop("sweep_value")
     parts += [f"{k} = {v}" for k, v in vals.items() if v is not None]
+    if sweep is not None:  # a sweep point: its key and value (e.g. partitions.k = 3)
+        parts.append(f"{sweep} = {value}")
     return (f"{corpus} · " if corpus else "") + " · ".join(parts)
 
 
