@@ -140,3 +140,38 @@ def test_other_variants_keep_the_stop_rule_only(bundle):
     )  # fmt: skip
     assert rows and all(r.extra["mode"] == "stop" for r in rows)
     assert {"loss_auc", "min-k++_auc", "rmia_auc", "accuracy"} <= {r.metric for r in rows}
+
+
+def test_pii_is_extracted_under_every_fallback_and_anchored_setting(lm, bundle):
+    """PII AEL/FER rows per setting; at c = 0 the anchored aggregate is the base (Prop. 4), so
+    its extraction is the base model's own, and the unbudgeted fallback serves what the stop
+    rule's unbudgeted trace does."""
+    from scpdr.attacks.budget import extracted_chars, pii_traces
+    from scpdr.attacks.pii import PIIRecord
+
+    records = [PIIRecord(n, i) for n, i in zip(NAMES, IDS, strict=True)]
+    rows = budget_sweep(
+        lm,
+        method="scp-delta-r-b",
+        pii=records,
+        validation=VAL,
+        options=BudgetOptions(
+            budgets=(1.0, None), anchors=(0.0, 2.0), modes=("stop", "fallback", "anchor"),
+            answer_tokens=4,
+        ),
+    )  # fmt: skip
+    pii = {
+        (r.extra["mode"], r.extra.get("anchor", r.extra["budget"]), r.metric): r
+        for r in rows
+        if r.metric in ("pii_ael", "pii_fer")
+    }
+    for setting in [("stop", 1.0), ("stop", None), ("fallback", 1.0), ("fallback", None),
+                    ("anchor", 0.0), ("anchor", 2.0)]:  # fmt: skip
+        for metric in ("pii_ael", "pii_fer"):
+            r = pii[(*setting, metric)]
+            assert r.n == len(records) and r.extra["ci_low"] <= r.value <= r.extra["ci_high"]
+    assert pii[("fallback", None, "pii_ael")].value == pii[("stop", None, "pii_ael")].value
+    mf = models.read_bundle(bundle)
+    base = ProtectedLM.from_model(models.load_model(mf.resolve(bundle, mf.base)), lm.tokenizer)
+    own = [extracted_chars(base.tokenizer, t, len(t.tokens)) for t in pii_traces(base, records)]
+    assert pii[("anchor", 0.0, "pii_ael")].value == pytest.approx(np.mean(own))

@@ -179,9 +179,12 @@ def pii_traces(
     lead: str = " ",
     extra_steps: int = 2,
     batch_size: int = 16,
+    **serving: Any,
 ) -> list[PIITrace]:
     """Each record's greedy answer to its prompt, as long as the PII attack's
-    (:func:`scpdr.attacks.pii.pii_extraction`: the ID's tokens plus ``extra_steps``)."""
+    (:func:`scpdr.attacks.pii.pii_extraction`: the ID's tokens plus ``extra_steps``);
+    ``serving``: the serving mode's ``generate`` arguments (``budget``, ``on_budget``,
+    ``anchor``; none: the unbudgeted trace the stop rule is read off)."""
     tok = lm.tokenizer
     prompts = [encode(tok, template.format(name=r.name)) for r in records]
     steps = [
@@ -191,7 +194,7 @@ def pii_traces(
     out: list[PIITrace] = []
     for s in range(0, len(records), max(1, batch_size)):
         sl = slice(s, s + batch_size)
-        gens = lm.generate(prompts[sl], max_new_tokens=steps[sl], temperature=0.0)
+        gens = lm.generate(prompts[sl], max_new_tokens=steps[sl], temperature=0.0, **serving)
         out += [
             PIITrace(r, list(g.token_ids), list(g.cost))
             for r, g in zip(records[sl], gens, strict=True)
@@ -199,7 +202,7 @@ def pii_traces(
     return out
 
 
-def _extracted(tok: Any, trace: PIITrace, n: int) -> int:
+def extracted_chars(tok: Any, trace: PIITrace, n: int) -> int:
     """Leading ID characters among the first ``n`` tokens (decoded as the PII attack does)."""
     text = tok.decode(trace.tokens[:n]).lstrip()
     target = trace.record.id
@@ -254,7 +257,7 @@ def budget_rows(
         if traces.pii:
             n = served_counts([t.cost for t in traces.pii], b)
             ext = np.array(
-                [_extracted(tokenizer, t, k) for t, k in zip(traces.pii, n, strict=True)], float
+                [extracted_chars(tokenizer, t, k) for t, k in zip(traces.pii, n, strict=True)], float
             )
             full = np.array(
                 [e == len(t.record.id) for e, t in zip(ext, traces.pii, strict=True)], float
@@ -373,5 +376,5 @@ def budget_sweep(
     prompts = [s[: opts.answer_prompt_tokens] for s in val[: opts.answer_n]]
     return keep + sweep_modes(
         lm, method=method, options=opts, validation=val, prompts=prompts, members=mem,
-        nonmembers=non, refs=tr.mia_refs, corpus=corpus,
+        nonmembers=non, refs=tr.mia_refs, corpus=corpus, pii=pii,
     )  # fmt: skip

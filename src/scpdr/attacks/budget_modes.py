@@ -17,7 +17,9 @@ scoring 0 on every test — no evidence), with AUC and TPR@1% and their 95% inte
 next-token accuracy over every validation position (a withheld position counting as not
 predicted), tokens per greedy answer (answers generated under the setting) and ``private``: the
 fraction of answer tokens served from the private aggregate (1 for the anchor: every token comes
-from the anchored aggregate). Rows: attack ``"budget"``, ``extra["mode"]`` ("stop" | "fallback" |
+from the anchored aggregate). PII extraction (AEL, FER) under the fallback and the anchor: each
+record's greedy extraction generated under the setting, scored on every token it served (the stop
+rule's is read off the unbudgeted trace in :mod:`scpdr.attacks.budget`). Rows: attack ``"budget"``, ``extra["mode"]`` ("stop" | "fallback" |
 "anchor") with ``extra["budget"]`` or ``extra["anchor"]``.
 """
 
@@ -298,12 +300,14 @@ def sweep_modes(
     nonmembers: Sequence[Sequence[int]] = (),
     refs: dict[str, list[np.ndarray]] | None = None,
     corpus: str | None = None,
+    pii: Sequence[Any] = (),
 ) -> list[ResultRow]:
     """Every setting of ``options`` (a :class:`scpdr.attacks.budget.BudgetOptions`: ``modes``,
     ``budgets``, ``anchors``) on one method (fallback and anchor: variant 'b' only, the stop rule
     alone for any other): one echo trace per anchor (None: the
     unbudgeted trace stop and fallback are read off), one set of greedy answers per setting.
-    ``refs``: each ratio test's reference log-probs of ``members + nonmembers``."""
+    ``refs``: each ratio test's reference log-probs of ``members + nonmembers``; ``pii``: the
+    PII records extracted under every fallback and anchored setting (``pii_ael``, ``pii_fer``)."""
     grid = settings(options.modes, options.budgets, options.anchors)
     if getattr(lm, "variant", None) != "b":  # fallback and anchor serve from a base model
         grid = [s for s in grid if s.mode == "stop"]
@@ -334,4 +338,34 @@ def sweep_modes(
                 method, st, utility=util, answers=answers, mia_target=target, mia_texts=texts,
                 mia_members=len(members), mia_refs=refs, corpus=corpus, seed=seed,
             )  # fmt: skip
+            if pii and st.mode != "stop":
+                out += _pii_rows(lm, method, st, pii, options, kw, corpus=corpus)
     return out
+
+
+def _pii_rows(
+    lm: Any,
+    method: str,
+    setting: Setting,
+    records: Sequence[Any],
+    options: Any,
+    serving: dict[str, Any],
+    *,
+    corpus: str | None,
+) -> list[ResultRow]:
+    """PII AEL / FER of ``records`` extracted under one setting (``serving``: its ``generate``
+    arguments): the leading ID characters among every token the response served."""
+    from scpdr.attacks.budget import extracted_chars, pii_traces
+
+    traces = pii_traces(
+        lm, records, template=options.pii_template, extra_steps=options.pii_extra_steps,
+        batch_size=options.batch_size, **serving,
+    )  # fmt: skip
+    tok = lm.tokenizer
+    ext = np.array([extracted_chars(tok, t, len(t.tokens)) for t in traces], float)
+    full = np.array([e == len(t.record.id) for e, t in zip(ext, traces, strict=True)], float)
+    kw: dict[str, Any] = {"corpus": corpus, "seed": options.seed}
+    return [
+        _row(method, "pii_ael", ext, setting, **kw),
+        _row(method, "pii_fer", full, setting, **kw),
+    ]
