@@ -25,6 +25,7 @@ __all__ = [
     "format_ci",
     "format_value",
     "marked_cells",
+    "marked_with_reference",
     "methods_table",
     "rank_marks",
 ]
@@ -189,6 +190,26 @@ def marked_cells(
         shown = texts[m] if texts is not None else [format_value(v) for v in values[m]]
         out.append([Cell(v, t, mk) for v, t, mk in zip(values[m], shown, marks[m], strict=True)])
     return out
+
+
+def marked_with_reference(
+    values: Mapping[str, Sequence[float | None]],
+    methods: Sequence[str],
+    columns: Sequence[Column],
+    texts: Mapping[str, Sequence[str]],
+    reference: str,
+) -> tuple[list[list[Cell]], list[str], int | None]:
+    """:func:`marked_cells` of ``methods``, then the ``reference`` row (e.g. No CP-val) unmarked
+    below a separator when ``values`` has it: ``(cells, row keys, separator index or None)``."""
+    cells = marked_cells(values, methods, columns, texts)
+    keys = list(methods)
+    separator = None
+    if reference in values:
+        separator = len(keys)
+        keys.append(reference)
+        shown = zip(values[reference], texts[reference], strict=True)
+        cells.append([Cell(v, t) for v, t in shown])
+    return cells, keys, separator
 
 
 def methods_table(

@@ -18,7 +18,7 @@ from typing import Any
 from scpdr import methods as M
 from scpdr.attacks.mia import MIA_ATTACKS, MIA_LABELS, auc_distance, metric_name
 from scpdr.attacks.results import NO_CP_VAL
-from scpdr.report.cells import Cell, Column, Table, format_ci, marked_cells
+from scpdr.report.cells import Column, Table, format_ci, marked_with_reference
 from scpdr.report.main_table import COLUMN_SPECS, ColumnSpec
 from scpdr.report.rows import corpora_for, main_rows, pick, row_value
 
@@ -129,13 +129,7 @@ def compare_table(
     values = {m: [f[j][0] for j in keep] for m, f in found.items()}
     texts = {m: [f[j][1] for j in keep] for m, f in found.items()}
     methods = [m for m in COMPARED if m in found]
-    cells = marked_cells(values, methods, columns, texts)
-    keys = list(methods)
-    separator = None
-    if NO_CP_VAL in found:
-        separator = len(keys)
-        keys.append(NO_CP_VAL)
-        cells.append([Cell(v, t) for v, t in zip(values[NO_CP_VAL], texts[NO_CP_VAL], strict=True)])
+    cells, keys, separator = marked_with_reference(values, methods, columns, texts, NO_CP_VAL)
     notes = [
         "What a user would deploy instead of SCP-Δr-b: one model trained with DP-SGD, beside No "
         "CP and the NAF rows. Attacks ↓, utility ↑, the strongest test's AUC ranked by "

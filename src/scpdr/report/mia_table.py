@@ -19,7 +19,7 @@ from typing import Any
 from scpdr import methods as M
 from scpdr.attacks.mia import MIA_ATTACKS, MIA_LABELS
 from scpdr.attacks.results import NO_CP_VAL
-from scpdr.report.cells import NEAR_CHANCE, Cell, Column, Table, format_ci, marked_cells
+from scpdr.report.cells import NEAR_CHANCE, Column, Table, format_ci, marked_with_reference
 from scpdr.report.rows import corpora_for, differs, main_rows, ordered_methods, pick, row_value
 
 __all__ = ["MIA_COLUMNS", "MIN_NONMEMBERS", "mia_table", "power_lines"]
@@ -143,13 +143,7 @@ def mia_table(
 
     values = {m: [row_value(r) for r in raw[m]] for m in raw}
     texts = {m: [text(m, j) for j in range(len(columns))] for m in raw}
-    cells = marked_cells(values, methods, columns, texts)
-    keys = list(methods)
-    separator = None
-    if NO_CP_VAL in raw:
-        separator = len(keys)
-        keys.append(NO_CP_VAL)
-        cells.append([Cell(v, t) for v, t in zip(values[NO_CP_VAL], texts[NO_CP_VAL], strict=True)])
+    cells, keys, separator = marked_with_reference(values, methods, columns, texts, NO_CP_VAL)
     notes = [
         "ROC AUC and TPR at 1% FPR of each membership test (Ref: log-likelihood ratio against "
         "the base model; LiRA: against the same method over p0, trained without the members). "
