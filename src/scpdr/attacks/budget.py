@@ -257,7 +257,8 @@ def budget_rows(
         if traces.pii:
             n = served_counts([t.cost for t in traces.pii], b)
             ext = np.array(
-                [extracted_chars(tokenizer, t, k) for t, k in zip(traces.pii, n, strict=True)], float
+                [extracted_chars(tokenizer, t, k) for t, k in zip(traces.pii, n, strict=True)],
+                float,
             )
             full = np.array(
                 [e == len(t.record.id) for e, t in zip(ext, traces.pii, strict=True)], float
@@ -374,7 +375,35 @@ def budget_sweep(
     for r in keep:
         r.extra["mode"] = "stop"
     prompts = [s[: opts.answer_prompt_tokens] for s in val[: opts.answer_n]]
-    return keep + sweep_modes(
+    keep += sweep_modes(
         lm, method=method, options=opts, validation=val, prompts=prompts, members=mem,
-        nonmembers=non, refs=tr.mia_refs, corpus=corpus, pii=pii,
+        nonmembers=non, refs=tr.mia_refs, corpus=corpus,
     )  # fmt: skip
+    return keep + _mode_pii_rows(lm, method, pii, opts, corpus=corpus)
+
+
+def _mode_pii_rows(
+    lm: Any, method: str, records: Sequence[PIIRecord], opts: BudgetOptions, *, corpus: str | None
+) -> list[ResultRow]:
+    """PII AEL / FER under every fallback and anchored setting of ``opts`` (variant 'b' only):
+    each record's extraction generated under the setting, scored on every token it served."""
+    from scpdr.attacks.budget_modes import serving_kwargs, setting_row, settings
+
+    if not records or getattr(lm, "variant", None) != "b":
+        return []
+    out: list[ResultRow] = []
+    for st in settings(opts.modes, opts.budgets, opts.anchors):
+        if st.mode == "stop":
+            continue
+        traces = pii_traces(
+            lm, records, template=opts.pii_template, extra_steps=opts.pii_extra_steps,
+            batch_size=opts.batch_size, **serving_kwargs(st),
+        )  # fmt: skip
+        ext = np.array([extracted_chars(lm.tokenizer, t, len(t.tokens)) for t in traces], float)
+        full = np.array([e == len(t.record.id) for e, t in zip(ext, traces, strict=True)], float)
+        kw: dict[str, Any] = {"corpus": corpus, "seed": opts.seed}
+        out += [
+            setting_row(method, "pii_ael", ext, st, **kw),
+            setting_row(method, "pii_fer", full, st, **kw),
+        ]
+    return out

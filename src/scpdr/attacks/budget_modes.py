@@ -53,6 +53,8 @@ __all__ = [
     "mode_echo_traces",
     "mode_rows",
     "served_view",
+    "serving_kwargs",
+    "setting_row",
     "settings",
 ]
 
@@ -238,7 +240,18 @@ def _hits(trace: ModeTrace, setting: Setting) -> np.ndarray:
     return out & served
 
 
-def _row(method: str, metric: str, values: np.ndarray, setting: Setting, **kw: Any) -> ResultRow:
+def serving_kwargs(setting: Setting) -> dict[str, Any]:
+    """The ``generate`` arguments that serve ``setting`` (``budget``, ``anchor``, ``on_budget``)."""
+    kw: dict[str, Any] = {"budget": setting.budget, "anchor": setting.anchor}
+    if setting.mode != "anchor":
+        kw["on_budget"] = "base" if setting.mode == "fallback" else "stop"
+    return kw
+
+
+def setting_row(
+    method: str, metric: str, values: np.ndarray, setting: Setting, **kw: Any
+) -> ResultRow:
+    """One row of a setting: ``values``' mean with its bootstrap interval, ``setting``'s keys."""
     est = bootstrap_ci(values, seed=kw.pop("seed", 0))
     return ResultRow(
         method, "budget", metric, est.value, est.n,
@@ -268,10 +281,10 @@ def mode_rows(
     out: list[ResultRow] = []
     if utility:
         per_pos = np.concatenate([_hits(t, setting) for t in utility]).astype(float)
-        out.append(_row(method, "accuracy", per_pos, setting, **kw, examples=len(utility)))
+        out.append(setting_row(method, "accuracy", per_pos, setting, **kw, examples=len(utility)))
     if answers:
         n = np.array([len(g.token_ids) for g in answers], float)
-        out.append(_row(method, "tokens_per_answer", n, setting, **kw))
+        out.append(setting_row(method, "tokens_per_answer", n, setting, **kw))
         priv = [
             len(g.token_ids) if g.fallback_at is None else g.fallback_at
             for g in answers
@@ -282,7 +295,7 @@ def mode_rows(
              zip([g for g in answers if g.token_ids], priv, strict=True)] or [np.zeros(0)]
         ).astype(float)  # fmt: skip
         if per_tok.size:
-            out.append(_row(method, "private_fraction", per_tok, setting, **kw))
+            out.append(setting_row(method, "private_fraction", per_tok, setting, **kw))
     if mia_target and mia_refs is not None:
         out += _mia(method, mia_target, mia_texts, mia_members, mia_refs, setting,
                     corpus=corpus, seed=seed)  # fmt: skip
@@ -300,14 +313,12 @@ def sweep_modes(
     nonmembers: Sequence[Sequence[int]] = (),
     refs: dict[str, list[np.ndarray]] | None = None,
     corpus: str | None = None,
-    pii: Sequence[Any] = (),
 ) -> list[ResultRow]:
     """Every setting of ``options`` (a :class:`scpdr.attacks.budget.BudgetOptions`: ``modes``,
     ``budgets``, ``anchors``) on one method (fallback and anchor: variant 'b' only, the stop rule
     alone for any other): one echo trace per anchor (None: the
     unbudgeted trace stop and fallback are read off), one set of greedy answers per setting.
-    ``refs``: each ratio test's reference log-probs of ``members + nonmembers``; ``pii``: the
-    PII records extracted under every fallback and anchored setting (``pii_ael``, ``pii_fer``)."""
+    ``refs``: each ratio test's reference log-probs of ``members + nonmembers``."""
     grid = settings(options.modes, options.budgets, options.anchors)
     if getattr(lm, "variant", None) != "b":  # fallback and anchor serve from a base model
         grid = [s for s in grid if s.mode == "stop"]
@@ -323,9 +334,7 @@ def sweep_modes(
             else []
         )
         for st in (s for s in grid if s.anchor == radius):
-            kw: dict[str, Any] = {"budget": st.budget, "anchor": st.anchor}
-            if st.mode != "anchor":
-                kw["on_budget"] = "base" if st.mode == "fallback" else "stop"
+            kw = serving_kwargs(st)
             answers = []
             for s in range(0, len(prompts), max(1, bs)):
                 answers += lm.generate(
@@ -338,34 +347,4 @@ def sweep_modes(
                 method, st, utility=util, answers=answers, mia_target=target, mia_texts=texts,
                 mia_members=len(members), mia_refs=refs, corpus=corpus, seed=seed,
             )  # fmt: skip
-            if pii and st.mode != "stop":
-                out += _pii_rows(lm, method, st, pii, options, kw, corpus=corpus)
     return out
-
-
-def _pii_rows(
-    lm: Any,
-    method: str,
-    setting: Setting,
-    records: Sequence[Any],
-    options: Any,
-    serving: dict[str, Any],
-    *,
-    corpus: str | None,
-) -> list[ResultRow]:
-    """PII AEL / FER of ``records`` extracted under one setting (``serving``: its ``generate``
-    arguments): the leading ID characters among every token the response served."""
-    from scpdr.attacks.budget import extracted_chars, pii_traces
-
-    traces = pii_traces(
-        lm, records, template=options.pii_template, extra_steps=options.pii_extra_steps,
-        batch_size=options.batch_size, **serving,
-    )  # fmt: skip
-    tok = lm.tokenizer
-    ext = np.array([extracted_chars(tok, t, len(t.tokens)) for t in traces], float)
-    full = np.array([e == len(t.record.id) for e, t in zip(ext, traces, strict=True)], float)
-    kw: dict[str, Any] = {"corpus": corpus, "seed": options.seed}
-    return [
-        _row(method, "pii_ael", ext, setting, **kw),
-        _row(method, "pii_fer", full, setting, **kw),
-    ]
