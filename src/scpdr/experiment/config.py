@@ -138,22 +138,10 @@ class ExperimentConfig(Section):
                     "remove it"
                 )
         gen = self.attacks.generations
-        gen.methods = list(dict.fromkeys(M.canonical(m) for m in gen.methods))
-        bad = [m for m in gen.methods if m not in self.all_methods]
-        if bad:
-            raise ValueError(
-                f"attacks.generations.methods: {bad} are not among the evaluated methods "
-                f"{self.all_methods}"
-            )
+        gen.methods = self._evaluated(gen.methods, "attacks.generations.methods")
         budget = self.attacks.budget
         if budget.methods is not None:
-            budget.methods = list(dict.fromkeys(M.canonical(m) for m in budget.methods))
-            bad = [m for m in budget.methods if m not in self.all_methods]
-            if bad:
-                raise ValueError(
-                    f"attacks.budget.methods: {bad} are not among the evaluated methods "
-                    f"{self.all_methods}"
-                )
+            budget.methods = self._evaluated(budget.methods, "attacks.budget.methods")
         for i, s in enumerate(self.sweeps):
             if s.key.split(".")[0] in {"sweeps", "corpora", "name"}:
                 raise ValueError(f"sweeps.{i}.key: {s.key!r} cannot be swept")
@@ -194,6 +182,17 @@ class ExperimentConfig(Section):
                 raise ValueError(f"baselines.dp: {msg}") from None
 
     # -- derived -------------------------------------------------------------------------
+
+    def _evaluated(self, methods: Sequence[str], where: str) -> list[str]:
+        """``methods`` as their result rows, once each; an error naming ``where`` for any that
+        is not evaluated."""
+        out = list(dict.fromkeys(M.canonical(m) for m in methods))
+        bad = [m for m in out if m not in self.all_methods]
+        if bad:
+            raise ValueError(
+                f"{where}: {bad} are not among the evaluated methods {self.all_methods}"
+            )
+        return out
 
     @property
     def all_methods(self) -> list[str]:
