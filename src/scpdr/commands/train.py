@@ -29,16 +29,21 @@ from scpdr.device import DEVICE_HELP
 _DEFAULT_K = 2
 
 
-def print_plans(pset: Any, base_ref: str, config: Any) -> None:
-    """Print each constituent's training plan (:func:`scpdr.training.fit_to_data`)."""
+def print_plans(pset: Any, base_ref: str, config: Any, device: str = "cpu") -> None:
+    """Print each constituent's training plan (:func:`scpdr.training.fit_to_data`), with the
+    precision it trains in on ``device`` and why (:mod:`scpdr.training.precision`)."""
     from scpdr.models import load_tokenizer
     from scpdr.training import example_lengths, fit_to_data
+    from scpdr.training.precision import resolve_precision
 
     tok = load_tokenizer(base_ref)
+    why = "" if config.dp else resolve_precision(config.precision, device=device).summary
     typer.echo(f"training plan ({pset.k} constituents):")
     for i, part in enumerate(pset.parts):
         if part:
-            _, plan = fit_to_data(config, example_lengths(part, tok), name=f"constituent-{i}")
+            _, plan = fit_to_data(
+                config, example_lengths(part, tok), name=f"constituent-{i}", precision=why
+            )
             typer.echo(plan.summary())
             if config.dp:  # the privacy of the run: ε, δ, σ, q, steps (training/dp.py)
                 from scpdr.training.dp import dp_plan
@@ -108,6 +113,12 @@ def train(
     and checked by the partition audit; --group-field keeps a data subject's records in one
     partition. `scpdr eval BUNDLE` measures them; `scpdr export` makes a bundle without them.
     An interrupted run continues with --resume.
+
+    Each step costs what the data needs: unpacked records are batched by length and padded
+    per batch (--no-group-by-length: random batches), the loss is computed in chunks of
+    tokens (--no-chunked-loss: the model's own), and --precision auto trains in bf16 where
+    the CPU has bf16 units and it measured faster. The plan printed first says how much
+    of the batches is padding, and which precision and why.
     """
     from scpdr.commands import check_method
     from scpdr.data import load_partitions, prepare_partitions
@@ -188,7 +199,7 @@ def train(
                 tiny_model(seed).save_pretrained(str(tiny_dir))
                 tiny_tokenizer().save_pretrained(str(tiny_dir))
         base_ref = str(tiny_dir)
-    print_plans(pset, base_ref, cfg)
+    print_plans(pset, base_ref, cfg, device)
     path = train_bundle(
         source,
         base=base_ref,

@@ -11,6 +11,12 @@ Runs are resumable and their outputs atomic: a run trains in ``<out>.tmp-<finger
 ``resume`` is left unset or ``False``); the final directory (model safetensors or adapter,
 tokenizer, ``train_info.json``) is renamed to ``out`` at the end. The same code runs under
 ``accelerate launch`` on several processes.
+
+A step's cost follows the data (:mod:`scpdr.training.trainer`): unpacked records are batched by
+length and each batch padded to its own longest; the loss is computed in chunks of tokens
+(:mod:`scpdr.training.loss`); and the run trains in bf16 where the hardware has it and it is
+measured faster (:mod:`scpdr.training.precision`). ``train_info.json`` records each (``plan``,
+``loss``, ``precision``).
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ from scpdr.training.placement import (
     world_size,
 )
 from scpdr.training.plan import example_lengths, fit_to_data
+from scpdr.training.precision import resolve_precision
 from scpdr.training.resume import RUN_INFO, choose_checkpoint
-from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
+from scpdr.training.sequences import CausalCollator, build_sequences
+from scpdr.training.trainer import make_trainer
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback
@@ -51,7 +59,6 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = ["TRAIN_INFO", "finetune"]
-
 
 
 def _tmp_dir(out: Path, fingerprint: str) -> Path:
@@ -101,7 +108,7 @@ def finetune(
     """
     import torch
     import transformers
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     cfg = make_config(config)  # resolved: the paper defaults filled in
     if cfg.dp:  # DP-SGD: Opacus' per-example gradients in a plain loop (training/dp.py)
@@ -121,6 +128,9 @@ def finetune(
     base_key = os.fspath(base) if not isinstance(base, tuple) else "in-memory"
     data_hash = records_hash(records)
     swapped = f"|optim={optim}" if optim != cfg.optim else ""  # another optimizer's checkpoints
+    precision = resolve_precision(cfg.precision, device=dev)  # auto: measured once per CPU
+    if cfg.precision == "auto" and precision.bf16:  # (auto resolving to fp32: as fp32)
+        swapped += "|precision=bf16"
     fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}{swapped}".encode()).hexdigest()
     tmp = _tmp_dir(out, fp)
     run = {
@@ -130,6 +140,7 @@ def finetune(
         "records_sha256": data_hash,
         "base": base_key,
         "optim": optim,
+        "precision": precision.precision,
     }
 
     info_path = out / TRAIN_INFO
@@ -159,8 +170,11 @@ def finetune(
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     # sizing to the data (training/plan.py): packing, batch and warm-up the caller left unset
-    cfg, plan = fit_to_data(config, example_lengths(records, tok), name=out.name)
+    cfg, plan = fit_to_data(
+        config, example_lengths(records, tok), name=out.name, precision=precision.summary
+    )
     logger.debug("plan of %s:\n%s", out, plan.summary())
+    logger.info("%s: precision %s", out.name, precision.summary)
     for warning in plan.warnings():
         logger.warning("%s: %s", out.name, warning)
     rows = build_sequences(
@@ -209,21 +223,26 @@ def finetune(
         logging_first_step=True,
         report_to="none",
         disable_tqdm=True,  # a rich bar per constituent instead (training/progress.py)
-        bf16=cfg.bf16,
+        bf16=precision.bf16,  # autocast bf16, fp32 master weights (training/precision.py)
         activation_checkpointing=cfg.gradient_checkpointing,
         use_cpu=dev == "cpu",
         ddp_find_unused_parameters=False,  # every trainable weight is used in the forward
         dataloader_num_workers=0,
         remove_unused_columns=False,
     )
-    trainer = Trainer(
+    trainer, chunked = make_trainer(
         model=model,
         args=args,
-        train_dataset=ListDataset(rows),
-        data_collator=CausalCollator(
-            goldfish_k=cfg.goldfish_k if cfg.goldfish else None, goldfish_h=cfg.goldfish_h
+        rows=rows,
+        collator=CausalCollator(
+            goldfish_k=cfg.goldfish_k if cfg.goldfish else None,
+            goldfish_h=cfg.goldfish_h,
+            pad_token_id=tok.eos_token_id,
         ),
-        callbacks=list(callbacks),
+        grouped=plan.grouped,  # group_by_length, resolved by the plan
+        chunked_loss=cfg.chunked_loss,
+        autocast=("cuda" if dev.startswith("cuda") else "cpu") if precision.bf16 else None,
+        callbacks=callbacks,
     )
     trainer.add_callback(_skip_final_checkpoint())
     # the Trainer prints its logs to stdout: a progress bar shows them, or they are logged
@@ -286,6 +305,8 @@ def finetune(
                 "python": platform.python_version(),
             },
             "adapter": bool(cfg.lora and not merge_lora),
+            "precision": precision.to_dict(),
+            "loss": "chunked" if chunked else "model",
             "placement": placement_info(trainer, dev, optim),
         }
         atomic_write_json(stage / TRAIN_INFO, info)

@@ -77,6 +77,11 @@ def _differences(tmp: Path, run: dict[str, Any]) -> str:
         diffs.append(f"the base model ({old.get('base')!r} then, {run['base']!r} now)")
     if old.get("optim") != run["optim"]:
         diffs.append(f"the optimizer ({old.get('optim')!r} then, {run['optim']!r} now)")
+    if old.get("precision", run.get("precision")) != run.get("precision"):
+        diffs.append(
+            f"the precision auto chose ({old.get('precision')!r} then, {run.get('precision')!r} "
+            "now; --precision fixes it)"
+        )
     return "; ".join(diffs) or "nothing its run.json records"
 
 

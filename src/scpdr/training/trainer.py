@@ -1,0 +1,99 @@
+"""The ``transformers.Trainer`` that :func:`~scpdr.training.finetune.finetune` runs, with two
+changes, each of which can be turned off in the :class:`~scpdr.training.config.TrainConfig`:
+
+- **length-grouped batches** (``group_by_length``): the Trainer's sampler is
+  :class:`~scpdr.training.sequences.GroupedSampler` — transformers' ``group_by_length`` order,
+  drawn from a generator seeded by ``seed + epoch``, so a run resumed in the middle of any epoch
+  replays the same batches (transformers' own grouped sampler draws from the global RNG, which a
+  resumed run has not advanced as far);
+- **the chunked loss** (``chunked_loss``): the model is asked for its hidden states (and the
+  logits of its last position only), and :class:`~scpdr.training.loss.ChunkedCausalLMLoss` is
+  the Trainer's ``compute_loss_func``; the Trainer then counts the labelled tokens of the
+  accumulated batches (``num_items_in_batch``) and scales the loss for gradient accumulation and
+  several processes as it does for the model's own loss. Not under FSDP or DeepSpeed (the
+  output layer is called outside the model's forward, where those hold sharded weights), nor for
+  a model whose forward takes no ``logits_to_keep``: there the model's own loss is used (logged).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from scpdr.training.loss import ChunkedCausalLMLoss
+from scpdr.training.sequences import CausalCollator, GroupedSampler, ListDataset
+
+__all__ = ["make_trainer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _accepts_logits_to_keep(model: Any) -> bool:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+
+
+def make_trainer(
+    *,
+    model: Any,
+    args: Any,
+    rows: list[dict[str, list[int]]],
+    collator: CausalCollator,
+    grouped: bool,
+    chunked_loss: bool,
+    autocast: str | None,
+    callbacks: Sequence[Any] = (),
+) -> tuple[Any, bool]:
+    """``(trainer, chunked)``: a Trainer over ``rows`` (length-grouped when ``grouped``), and
+    whether it uses the chunked loss (``chunked_loss`` where it applies). ``autocast``: the
+    device type of a bf16 run (its loss runs under the same autocast as the forward), else
+    ``None``."""
+    from transformers import Trainer
+
+    lengths = [len(r["input_ids"]) for r in rows]
+
+    class _Trainer(Trainer):
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            if grouped:
+                per_step = self.args.train_batch_size * self.args.gradient_accumulation_steps
+                seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+                return GroupedSampler(lengths, batch_size=per_step, seed=seed)
+            return super()._get_train_sampler(train_dataset)
+
+        def compute_loss(
+            self,
+            model: Any,
+            inputs: dict[str, Any],
+            return_outputs: bool = False,
+            num_items_in_batch: Any = None,
+        ) -> Any:
+            if isinstance(self.compute_loss_func, ChunkedCausalLMLoss):
+                # hidden states for the chunked loss; the logits of one position, not of all
+                inputs = {**inputs, "output_hidden_states": True, "logits_to_keep": 1}
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+
+    trainer = _Trainer(
+        model=model,
+        args=args,
+        train_dataset=ListDataset(rows),
+        data_collator=collator,
+        callbacks=list(callbacks),
+    )
+    chunked = bool(chunked_loss)
+    if chunked and (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled):
+        logger.info("FSDP/DeepSpeed shard the output layer: the model's own loss is used")
+        chunked = False
+    if chunked and not _accepts_logits_to_keep(model):
+        logger.info("%s takes no logits_to_keep: its own loss is used", type(model).__name__)
+        chunked = False
+    if chunked:
+        trainer.compute_loss_func = ChunkedCausalLMLoss(
+            model.get_output_embeddings(),
+            vocab_size=int(model.config.vocab_size),
+            autocast=autocast,
+        )
+    return trainer, chunked
