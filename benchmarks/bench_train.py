@@ -19,7 +19,9 @@ changelog entries, 500 of them, batch 8), measured round-robin in one run (the C
   reported beside it. Goal <= 0.15.
 - ``peak_rss_gb``: peak resident memory (``ru_maxrss``) of a fresh process that runs two full
   fine-tuning steps of the 135M model at batch 8 x 256 tokens with scpdr's step (AdamW, so the
-  optimizer state is there); the HF step's is reported beside it. Goal <= 3 GB.
+  optimizer state is there); the HF step's is reported beside it, and scpdr's with gradient
+  checkpointing (``--gradient-checkpointing``: activations recomputed in the backward pass, for
+  a machine where the default does not fit). Goal <= 3 GB.
 
 ``--tiny`` runs everything on the tiny random model (seconds; for testing the script: its numbers
 say nothing about the 135M model); ``--quick`` times fewer batches and rounds (< 5 min).
@@ -50,6 +52,8 @@ from _common import cpu_model, emit, interleaved_medians, logger, setup
 GOALS = {"tokens_per_s": 1.0, "tokens_per_s_bf16": 1.8, "padding_share": 0.15, "peak_rss_gb": 3.0}
 #: The skewed lengths: lognormal around this mean, capped (a user's changelog entries).
 MEAN_TOKENS, MAX_TOKENS = 120, 262
+#: The peak-RSS processes: scpdr's step, HF's, scpdr's with gradient checkpointing.
+RSS_KINDS = ("scpdr", "hf", "scpdr-checkpointing")
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
@@ -122,7 +126,8 @@ def _steps(model: Any, precision: Any, *, ours: bool) -> Any:
 
 
 def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
-    """Two training steps at batch 8 x 256 tokens; prints ``{"maxrss_kb": ...}``."""
+    """Two training steps at batch 8 x 256 tokens (``scpdr``, ``hf``, or ``scpdr-checkpointing``:
+    scpdr's with gradient checkpointing); prints ``{"maxrss_kb": ...}``."""
     import torch
 
     from scpdr.training.precision import resolve_precision
@@ -130,13 +135,16 @@ def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     model, eos = _model(tiny)
-    precision = resolve_precision(precision_name if kind == "scpdr" else "fp32")
+    ours = kind.startswith("scpdr")
+    if kind == "scpdr-checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    precision = resolve_precision(precision_name if ours else "fp32")
     rows = skewed_rows(8, vocab=int(model.config.vocab_size), eos=eos, seed=1)
     for r in rows:  # full length: 256 tokens each
         r["input_ids"] = (r["input_ids"] * 256)[:256]
         r["attention_mask"], r["labels"] = [1] * 256, list(r["input_ids"])
     batch = CausalCollator(pad_token_id=eos)(rows)
-    step = _steps(model, precision, ours=kind == "scpdr")
+    step = _steps(model, precision, ours=ours)
     for _ in range(2):
         step(batch)
     print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--steps", type=int, default=None, help="timed batches per side")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds")
-    ap.add_argument("--child", choices=("scpdr", "hf"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=(*RSS_KINDS,), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     threads = setup(threads=args.threads)
     if args.child:
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     del model, fns, batches
     rss = {
         k: peak_rss_kb(k, tiny=args.tiny, precision=args.precision, threads=threads)
-        for k in ("scpdr", "hf")
+        for k in RSS_KINDS
     }
     ratios = {
         "tokens_per_s": round(tps["scpdr"] / tps["hf"], 3),

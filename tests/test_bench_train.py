@@ -31,6 +31,7 @@ def test_bench_train_tiny_quick_prints_its_json_line():
     # grouped batches pad less than random ones on the skewed lengths
     assert ratios["padding_share"] == line["padding_share"]["scpdr"] < line["padding_share"]["hf"]
     assert 0 < ratios["peak_rss_gb"] == line["peak_rss_gb"]["scpdr"]
-    assert line["peak_rss_gb"]["hf"] > 0
+    assert set(line["peak_rss_gb"]) == {"scpdr", "hf", "scpdr-checkpointing"}
+    assert all(v > 0 for v in line["peak_rss_gb"].values())
     assert line["precision"]["precision"] in ("fp32", "bf16")
     assert line["goals"]["tokens_per_s"] == (1.8 if line["bf16_units"] else 1.0)
