@@ -10,6 +10,9 @@ changelog entries, 500 of them, batch 8), measured round-robin in one run (the C
   precision ``--precision`` resolves to (default ``auto``:
   :func:`~scpdr.training.precision.resolve_precision`) — divided by that of a plain HF
   Trainer-style step: batches in random order, padded per batch, the model's own loss, fp32.
+  scpdr's step with the model's own loss instead of the chunked one is timed in the same
+  rounds (``chunked_loss_speedup``: its time / the chunked step's; > 1: chunking is faster;
+  it decides whether ``chunked_loss`` stays the default).
   Both steps are forward, backward and an AdamW step on the same model, over ``--steps``
   batches drawn from each side's epoch; the Trainer's own per-step overhead is the same for
   both and left out. Goal >= 1.0, and >= 1.8 on a CPU with bf16 units (``amx_bf16`` or
@@ -88,10 +91,10 @@ def skewed_rows(n: int, *, vocab: int, eos: int, seed: int = 0) -> list[dict[str
     return rows
 
 
-def _steps(model: Any, precision: Any, *, ours: bool) -> Any:
-    """One training step on a collated batch: scpdr's (chunked loss, the precision) or HF's
-    (the model's own loss, fp32). The same AdamW for both (its cost does not depend on the
-    weights' values)."""
+def _steps(model: Any, precision: Any, *, ours: bool, chunked: bool = True) -> Any:
+    """One training step on a collated batch: scpdr's (chunked loss unless ``chunked`` is
+    false, the precision) or HF's (the model's own loss, fp32). The same AdamW for both (its
+    cost does not depend on the weights' values)."""
     import contextlib
 
     import torch
@@ -113,9 +116,14 @@ def _steps(model: Any, precision: Any, *, ours: bool) -> Any:
                 if precision.bf16
                 else contextlib.nullcontext()
             )
-            with ctx:  # the Trainer's bf16 autocast wraps the forward
-                out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
-            loss = loss_fn(out, batch["labels"], int((batch["labels"][:, 1:] != -100).sum()))
+            if chunked:
+                with ctx:  # the Trainer's bf16 autocast wraps the forward
+                    out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+                n = int((batch["labels"][:, 1:] != -100).sum())
+                loss = loss_fn(out, batch["labels"], n)
+            else:
+                with ctx:
+                    loss = model(**inputs, labels=batch["labels"]).loss
         else:
             loss = model(**inputs, labels=batch["labels"]).loss
         loss.backward()
@@ -207,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     }  # the same batch positions of each side's epoch
     tokens = {k: sum(int(b["attention_mask"].sum()) for b in bs) for k, bs in batches.items()}
     fns = {}
-    for kind in ("hf", "scpdr"):
-        step = _steps(model, precision, ours=kind == "scpdr")
-        fns[kind] = lambda step=step, bs=batches[kind]: [step(b) for b in bs]
+    sides = {"hf": ("hf", False), "scpdr": ("scpdr", True), "scpdr-model-loss": ("scpdr", False)}
+    for kind, (data, chunked) in sides.items():
+        step = _steps(model, precision, ours=kind != "hf", chunked=chunked)
+        fns[kind] = lambda step=step, bs=batches[data]: [step(b) for b in bs]
     logger.info("timing %d batches per side, %d rounds, %d threads", len(picked), repeats, threads)
     med = interleaved_medians(fns, repeats=repeats, warmup=1)
-    tps = {k: tokens[k] / med[k] for k in med}
+    tps = {k: tokens[sides[k][0]] / med[k] for k in med}
     del model, fns, batches
     rss = {
         k: peak_rss_kb(k, tiny=args.tiny, precision=args.precision, threads=threads)
@@ -243,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         goals_met=met,
         tokens_per_s={k: round(v, 1) for k, v in tps.items()},
         seconds_per_batch={k: round(med[k] / len(picked), 4) for k in med},
+        chunked_loss_speedup=round(med["scpdr-model-loss"] / med["scpdr"], 3),
         padding_share={k: round(v, 4) for k, v in shares.items()},
         peak_rss_gb={k: round(v / 2**20, 3) for k, v in rss.items()},
         precision=precision.to_dict(),

@@ -28,6 +28,7 @@ def test_bench_train_tiny_quick_prints_its_json_line():
     assert set(line["goals"]) == set(ratios) == set(line["goals_met"])
     tps = line["tokens_per_s"]
     assert ratios["tokens_per_s"] == round(tps["scpdr"] / tps["hf"], 3) > 0
+    assert set(tps) == {"scpdr", "hf", "scpdr-model-loss"} and line["chunked_loss_speedup"] > 0
     # grouped batches pad less than random ones on the skewed lengths
     assert ratios["padding_share"] == line["padding_share"]["scpdr"] < line["padding_share"]["hf"]
     assert 0 < ratios["peak_rss_gb"] == line["peak_rss_gb"]["scpdr"]

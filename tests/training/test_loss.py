@@ -1,6 +1,7 @@
 """The chunked causal-LM loss (scpdr.training.loss) is the model's own loss: the same value and the
 same gradients in float64 — with padding and -100 labels, goldfish drops, a LoRA-wrapped lm_head
-and NEFTune noise — it never keeps a (tokens, V) tensor for the backward pass, and inside the
+and NEFTune noise — also under bf16 autocast (to bf16 rounding), it never keeps a (tokens, V)
+tensor for the backward pass, and inside the
 Trainer it is normalized over the accumulated batch as the model's own loss is (same weights
 after SGD steps with gradient accumulation)."""
 
@@ -147,9 +148,35 @@ def test_chunked_loss_keeps_no_vocabulary_sized_tensor_for_backward(tok, records
         head = model.get_output_embeddings()
         return causal_lm_loss(out.hidden_states[-1], batch["labels"], head, chunk=8)
 
+    H = model.config.hidden_size
     assert largest_saved(own) >= tokens * V
-    assert largest_saved(chunked) < 8 * V  # at most what a chunk's inputs need, never (·, V)
+    # the gradients of the hidden states (tokens x H) and of the head's weight (V x H, the
+    # same for any batch), never anything of tokens x V
+    assert largest_saved(chunked) <= max(tokens * H, V * H) < tokens * V
     assert chunk_size(49152) == 341 and chunk_size(10) == (1 << 24) // 10
+
+
+def test_chunked_loss_under_bf16_autocast_is_the_models_own_to_bf16_rounding(tok, records):
+    """Mixed precision (fp32 weights, bf16 matmuls): the loss runs under the same autocast as
+    the forward, so it is the model's own loss under autocast, to bf16 rounding."""
+    from scpdr.testing import tiny_model
+
+    model = tiny_model(0).train()
+    batch = _batch(tok, records)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        own = model(**inputs, labels=batch["labels"]).loss
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+    fn = ChunkedCausalLMLoss(
+        model.get_output_embeddings(), vocab_size=model.config.vocab_size, autocast="cpu"
+    )
+    ours = fn(out, batch["labels"])
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, own, rtol=1e-3, atol=0)
+    for g_ours, g_own in zip(_grads(ours, params), _grads(own, params), strict=True):
+        cos = F.cosine_similarity(g_ours.flatten().double(), g_own.flatten().double(), dim=0)
+        assert g_ours.dtype == torch.float32 and cos > 0.999
 
 
 def test_chunked_loss_without_labels_is_a_zero_that_backpropagates():

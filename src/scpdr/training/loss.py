@@ -5,19 +5,21 @@ A causal LM's own loss materializes the logits of the whole batch (tokens x V, f
 backward pass. :func:`causal_lm_loss` takes the final hidden states instead (the input of
 ``lm_head``), keeps only the positions that have a label (padding and goldfish-dropped tokens
 never reach ``lm_head``), and computes ``lm_head`` + cross-entropy over chunks of
-:func:`chunk_size` tokens, each under ``torch.utils.checkpoint``: a chunk's logits are freed
-after its loss and recomputed in the backward pass, so at most one chunk's logits (about
-:data:`CHUNK_ELEMENTS` floats) and their gradient exist at a time. The price is one more
-``lm_head`` forward (about 7% of a 135M training step's arithmetic); the memory no longer grows
-with tokens x V. (The idea of Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross
-Entropy, here with torch only and any ``lm_head`` module: a LoRA-wrapped head included.)
+:func:`chunk_size` tokens: each chunk's logits (about :data:`CHUNK_ELEMENTS` floats) are made,
+differentiated and freed right away, in the forward pass, which keeps only the gradients for the
+hidden states (tokens x H) and for the head's trainable weights (V x H, whatever the batch);
+the backward pass scales them by the incoming gradient. So at most one chunk's logits exist at
+a time, and the arithmetic is the model's own (one ``lm_head`` forward, two matmuls for its
+gradients) — the fused linear cross-entropy of Liger-Kernel, here with torch only and any
+``lm_head`` module, a LoRA-wrapped head included.
 
 It is the same loss as ``model(**batch).loss`` (transformers' ``ForCausalLMLoss``): position
 ``t`` predicts ``labels[t + 1]``, ``-100`` is ignored, logits are upcast to fp32 (fp64 ones stay
 fp64), and the sum is divided by ``num_items_in_batch`` (the labelled tokens of all the batches
 accumulated into one optimizer step, as the Trainer counts them) or, without it, by this
 batch's labelled tokens.
-Tested against the model's own loss and gradients in float64 (plain, goldfish, LoRA, NEFTune).
+Tested against the model's own loss and gradients in float64 (plain, goldfish, LoRA, NEFTune)
+and under bf16 autocast.
 
 :class:`ChunkedCausalLMLoss` is this loss as the Trainer's ``compute_loss_func``; the model is
 then asked for its hidden states instead of logits (:mod:`scpdr.training.trainer`).
@@ -54,6 +56,47 @@ def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: Callable[...,
     return F.cross_entropy(logits.to(up), targets, reduction="sum")
 
 
+_FUNCTION: Any = None
+
+
+def _chunked_ce() -> Any:
+    """The autograd function (built on first use: torch is imported lazily): the summed
+    cross-entropy of ``head(h)``, chunk by chunk, each chunk's gradients (for ``h`` and the
+    head's trainable parameters) taken in the forward pass and its logits freed at once; the
+    backward pass only scales them by the incoming gradient."""
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    import torch
+
+    class ChunkedCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, h: Any, targets: Any, chunk: int, head: Any, *params: Any) -> Any:
+            grad_h = torch.zeros_like(h)  # (N, H)
+            grads = [torch.zeros_like(p) for p in params]  # the head's, independent of N
+            total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
+            with torch.enable_grad():
+                for s in range(0, h.shape[0], chunk):
+                    hc = h[s : s + chunk].detach().requires_grad_()
+                    loss = _chunk_loss(hc, targets[s : s + chunk], head)  # logits: (n, V)
+                    found = torch.autograd.grad(loss, [hc, *params], allow_unused=True)
+                    grad_h[s : s + chunk] = found[0]
+                    for acc, g in zip(grads, found[1:], strict=True):
+                        if g is not None:
+                            acc += g
+                    total += loss.detach()
+            ctx.save_for_backward(grad_h, *grads)
+            return total
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: Any) -> Any:
+            grad_h, *grads = ctx.saved_tensors
+            return (grad_h * grad_out, None, None, None, *(g * grad_out for g in grads))
+
+    _FUNCTION = ChunkedCrossEntropy
+    return _FUNCTION
+
+
 def causal_lm_loss(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -70,8 +113,8 @@ def causal_lm_loss(
         labels: ``(B, T)`` token ids; ``-100`` has no loss. Position ``t`` predicts
             ``labels[:, t + 1]``.
         head: the output layer, ``(n, H) -> (n, V)`` (the model's ``lm_head``, LoRA-wrapped or
-            not); it is called once per chunk and again per chunk in the backward pass (with
-            the same RNG state: a dropout in it draws the same mask twice).
+            not), called once per chunk; the gradients reach ``hidden`` and the head's
+            parameters that require them.
         num_items_in_batch: the divisor (labelled tokens of the accumulated batch); default:
             this batch's labelled tokens.
         chunk: tokens per chunk (default :func:`chunk_size` of ``head.out_features``, else
@@ -80,7 +123,6 @@ def causal_lm_loss(
     Returns a scalar fp32 tensor; with no labelled token, a zero that still backpropagates.
     """
     import torch
-    from torch.utils.checkpoint import checkpoint
 
     if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
         raise ValueError(
@@ -95,11 +137,11 @@ def causal_lm_loss(
     if chunk is None:
         out = getattr(head, "out_features", None)
         chunk = chunk_size(out) if isinstance(out, int) else 1024
-    total = (hidden.sum() * 0).float()  # keeps the graph when nothing is labelled
-    for s in range(0, n, chunk):
-        total = total + checkpoint(
-            _chunk_loss, h[s : s + chunk], targets[s : s + chunk], head, use_reentrant=False
-        )
+    if n == 0:  # nothing labelled: a zero that keeps the graph
+        total = (hidden.sum() * 0).float()
+    else:
+        params = [p for p in getattr(head, "parameters", list)() if p.requires_grad]
+        total = _chunked_ce().apply(h, targets, int(chunk), head, *params)
     if num_items_in_batch is None:
         return total / max(n, 1)
     if torch.is_tensor(num_items_in_batch):
