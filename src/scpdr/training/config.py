@@ -148,7 +148,7 @@ class TrainConfig(BaseModel):
         Precision.auto,
         description="auto: bf16 mixed precision (fp32 master weights) where the CPU has bf16 "
         "units (amx_bf16, avx512_bf16) and a first-use micro-benchmark finds it faster, or the "
-        "GPU supports it; fp32 otherwise. fp32 or bf16 force one (bf16: was --bf16).",
+        "GPU supports it; fp32 otherwise. fp32 or bf16 force one.",
     )
     group_by_length: bool | None = Field(
         None,
