@@ -236,3 +236,17 @@ def test_trainer_scales_the_chunked_loss_over_accumulated_batches_as_the_models_
     torch.testing.assert_close(
         torch.tensor(infos[True]["train_loss"]), torch.tensor(infos[False]["train_loss"])
     )
+
+
+def test_chunked_loss_stays_on_the_hidden_states_device():
+    """The summed loss lives where the hidden states are (on CUDA the chunk losses are added
+    to it in place): checked on torch's ``meta`` device, which a CPU machine has too."""
+    from scpdr.training.loss import _chunked_ce
+
+    head = torch.nn.Linear(8, 11, bias=False, device="meta")
+    h = torch.empty(10, 8, device="meta", requires_grad=True)
+    targets = torch.zeros(10, dtype=torch.long, device="meta")
+    total = _chunked_ce().apply(h, targets, 3, head, head.weight)
+    assert total.device == h.device
+    total.backward()
+    assert h.grad.device == h.device and head.weight.grad.device == h.device

@@ -74,7 +74,8 @@ def _chunked_ce() -> Any:
         def forward(ctx: Any, h: Any, targets: Any, chunk: int, head: Any, *params: Any) -> Any:
             grad_h = torch.zeros_like(h)  # (N, H)
             grads = [torch.zeros_like(p) for p in params]  # the head's, independent of N
-            total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
+            # on h's device: CUDA chunk losses are added to it in place
+            total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
             with torch.enable_grad():
                 for s in range(0, h.shape[0], chunk):
                     hc = h[s : s + chunk].detach().requires_grad_()
