@@ -250,3 +250,89 @@ def test_chunked_loss_stays_on_the_hidden_states_device():
     assert total.device == h.device
     total.backward()
     assert h.grad.device == h.device and head.weight.grad.device == h.device
+
+
+def _scaled_llama():
+    """A tiny Llama whose forward doubles the logits (and takes its loss on them), with no
+    config attribute saying so: only comparing the head with the logits can tell."""
+    from transformers import LlamaForCausalLM
+
+    from scpdr.testing import seeded, tiny_config
+
+    class ScaledLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, logits_to_keep=0, **kw):
+            out = super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=logits_to_keep,
+                **kw,
+            )
+            out.logits = out.logits * 2
+            if labels is not None:
+                out.loss = self.loss_function(out.logits, labels, vocab_size=self.config.vocab_size)
+            return out
+
+    with seeded(0):
+        return ScaledLlama(tiny_config())
+
+
+def _granite():
+    """A tiny Granite: its logits are lm_head's output divided by ``config.logits_scaling``."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from scpdr.testing import seeded
+
+    cfg = GraniteConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        logits_scaling=4.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    with seeded(0):
+        return GraniteForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("variant", ["llama", "scaled", "granite"])
+def test_trainer_uses_the_models_own_loss_when_logits_are_not_the_heads(
+    tmp_path, tok, records, variant
+):
+    """A model whose logits are not lm_head(hidden_states[-1]) (Granite's logits_scaling in
+    its config; a forward that scales them, seen by comparing the head with the logits on the
+    first sequence) trains on its own loss; a plain Llama on the chunked one. Either way the
+    Trainer's loss is the model's."""
+    from transformers import TrainingArguments
+
+    from scpdr.testing import tiny_model
+    from scpdr.training.trainer import head_mismatch, logits_transform, make_trainer
+
+    model = {"llama": lambda: tiny_model(0), "scaled": _scaled_llama, "granite": _granite}[
+        variant
+    ]().train()
+    rows = build_sequences(records[:4], tok, seq_len=64, packing=False, shuffle=False)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False
+    )
+    trainer, chunked = make_trainer(
+        model=model,
+        args=args,
+        rows=rows,
+        collator=CausalCollator(pad_token_id=tok.eos_token_id),
+        grouped=False,
+        chunked_loss=True,
+        autocast=None,
+    )
+    assert chunked is (variant == "llama")
+    assert (logits_transform(model) is not None) is (variant == "granite")
+    assert (head_mismatch(model, rows[0]["input_ids"]) is None) is (variant == "llama")
+    assert model.training  # the check left the model as it was
+    batch = CausalCollator(pad_token_id=tok.eos_token_id)(rows)
+    torch.manual_seed(0)
+    loss = trainer.compute_loss(model, batch)
+    torch.manual_seed(0)
+    own = model(**batch).loss
+    torch.testing.assert_close(loss, own, rtol=1e-5, atol=0)

@@ -12,7 +12,11 @@ changes, each of which can be turned off in the :class:`~scpdr.training.config.T
   accumulated batches (``num_items_in_batch``) and scales the loss for gradient accumulation and
   several processes as it does for the model's own loss. Not under FSDP or DeepSpeed (the
   output layer is called outside the model's forward, where those hold sharded weights), nor for
-  a model whose forward takes no ``logits_to_keep``: there the model's own loss is used (logged).
+  a model whose forward takes no ``logits_to_keep``, nor one whose logits are not
+  ``lm_head(hidden_states[-1])`` (a config that softcaps or scales them — Gemma 2/3's
+  ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling`` — or, for
+  any other model, the head's output differing from the model's own logits on a few positions
+  of the first sequence): there the model's own loss is used (logged).
 """
 
 from __future__ import annotations
@@ -33,6 +37,56 @@ logger = logging.getLogger(__name__)
 def _accepts_logits_to_keep(model: Any) -> bool:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
+
+
+#: Config attributes of models whose logits are a function of ``lm_head``'s output, with the
+#: values that leave it as it is.
+LOGIT_TRANSFORMS: dict[str, tuple[Any, ...]] = {
+    "final_logit_softcapping": (None, 0, 0.0),  # Gemma 2/3: cap * tanh(logits / cap)
+    "logit_scale": (None, 1, 1.0),  # Cohere: logits * scale
+    "logits_scaling": (None, 1, 1.0),  # Granite: logits / scaling
+}
+#: Tokens of the first sequence the head is checked on against the model's logits.
+CHECK_TOKENS = 16
+
+
+def logits_transform(model: Any) -> str | None:
+    """``name=value`` of the first :data:`LOGIT_TRANSFORMS` attribute that ``model``'s config
+    (or its ``text_config``) sets to something other than a no-op, else ``None``."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        for name, neutral in LOGIT_TRANSFORMS.items():
+            value = getattr(cfg, name, None)
+            if value not in neutral:
+                return f"{name}={value}"
+    return None
+
+
+def head_mismatch(model: Any, input_ids: Sequence[int]) -> str | None:
+    """Why ``lm_head(hidden_states[-1])`` is not the model's logits on ``input_ids`` (its first
+    :data:`CHECK_TOKENS`), or ``None`` when it is, to ``sqrt(eps)`` of the logits' dtype times
+    their largest magnitude (float rounding of the same matmul is ~eps; a scaled or capped
+    logit is far off). Run in eval mode without gradients, the RNG untouched."""
+    import torch
+
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([list(input_ids)[:CHECK_TOKENS]], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        devices = [device] if device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            out = model(input_ids=ids, output_hidden_states=True)
+            ref = out.logits  # (1, T, V)
+            mine = model.get_output_embeddings()(out.hidden_states[-1]).to(ref.dtype)
+    finally:
+        model.train(was_training)
+    scale = max(1.0, float(ref.abs().max()))
+    tol = torch.finfo(ref.dtype).eps ** 0.5 * scale
+    diff = float((mine - ref).abs().max())
+    if diff <= tol:
+        return None
+    return f"lm_head(hidden states) differs from its logits by up to {diff:.3g} (> {tol:.2g})"
 
 
 def make_trainer(
@@ -90,6 +144,17 @@ def make_trainer(
     if chunked and not _accepts_logits_to_keep(model):
         logger.info("%s takes no logits_to_keep: its own loss is used", type(model).__name__)
         chunked = False
+    if chunked:
+        why = logits_transform(model)
+        if why is None and rows:
+            why = head_mismatch(model, rows[0]["input_ids"])
+        if why is not None:
+            logger.info(
+                "%s: its logits are not lm_head(hidden states) (%s): its own loss is used",
+                type(model).__name__,
+                why,
+            )
+            chunked = False
     if chunked:
         trainer.compute_loss_func = ChunkedCausalLMLoss(
             model.get_output_embeddings(),
