@@ -137,3 +137,56 @@ def test_explicit_bf16_trains_with_finite_losses_in_bf16(tmp_path):
     # bf16 arithmetic: not the fp32 numbers, but close to them
     assert l16 != l32 and abs(l16[0] - l32[0]) < 0.05 * abs(l32[0])
     assert any(not torch.equal(w16[k], w32[k]) for k in w32)
+
+
+def test_other_processes_take_the_main_process_precision(monkeypatch):
+    """Under a launcher only the main process resolves (measures) the precision; the others
+    receive its PrecisionChoice (accelerate's broadcast_object_list) and compute nothing."""
+    import accelerate.utils
+
+    from scpdr.training import placement
+    from scpdr.training.precision import PrecisionChoice
+
+    mains = PrecisionChoice("bf16", "auto", "measured by rank 0")
+    sent = []
+
+    def broadcast(box, from_process=0):
+        sent.append(list(box))
+        box[0] = mains  # what rank 0 put in
+        return box
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(placement, "launched", lambda: True)
+
+    def never():
+        raise AssertionError("a non-main process resolved the precision itself")
+
+    monkeypatch.setattr(placement, "is_main_process", lambda: False)
+    assert placement.main_result(never) == mains and sent == [[None]]
+    monkeypatch.setattr(placement, "is_main_process", lambda: True)
+    assert placement.main_result(lambda: mains) == mains and sent[-1] == [mains]
+
+
+def test_print_plans_resolves_the_training_device(tmp_path, monkeypatch):
+    """`scpdr train`'s plan resolves the precision for the device training will use
+    (training_device), not for the string "None"."""
+    from types import SimpleNamespace
+
+    from scpdr.commands.train import print_plans
+    from scpdr.testing import tiny_tokenizer
+    from scpdr.training import placement, precision
+    from scpdr.training.precision import PrecisionChoice
+
+    tiny_tokenizer().save_pretrained(str(tmp_path))
+    seen = []
+    monkeypatch.setattr(placement, "training_device", lambda d: "cuda" if d is None else d)
+
+    def resolve(requested, *, device="cpu", **kw):
+        seen.append(device)
+        return PrecisionChoice("bf16", str(requested), f"on {device}")
+
+    monkeypatch.setattr(precision, "resolve_precision", resolve)
+    records = names2ids(n_train=6, n_val=1, seed=0).train
+    pset = SimpleNamespace(k=2, parts=[records[:3], records[3:]])
+    print_plans(pset, str(tmp_path), TrainConfig(), None)
+    assert seen == ["cuda"]

@@ -29,15 +29,20 @@ from scpdr.device import DEVICE_HELP
 _DEFAULT_K = 2
 
 
-def print_plans(pset: Any, base_ref: str, config: Any, device: str = "cpu") -> None:
+def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None) -> None:
     """Print each constituent's training plan (:func:`scpdr.training.fit_to_data`), with the
-    precision it trains in on ``device`` and why (:mod:`scpdr.training.precision`)."""
+    precision it trains in on ``device`` (``None``: the default, as training resolves it) and
+    why (:mod:`scpdr.training.precision`; decided by the main process, as in training)."""
     from scpdr.models import load_tokenizer
     from scpdr.training import example_lengths, fit_to_data
+    from scpdr.training.placement import main_result, training_device
     from scpdr.training.precision import resolve_precision
 
     tok = load_tokenizer(base_ref)
-    why = "" if config.dp else resolve_precision(config.precision, device=device).summary
+    why = ""
+    if not config.dp:
+        dev = training_device(device)
+        why = main_result(lambda: resolve_precision(config.precision, device=dev)).summary
     typer.echo(f"training plan ({pset.k} constituents):")
     for i, part in enumerate(pset.parts):
         if part:

@@ -40,7 +40,7 @@ from scpdr.training.loading import TRAIN_INFO, load_base, untie_lm_head, wrap_lo
 from scpdr.training.placement import (
     full_state_dict,
     is_main_process,
-    main_process_first,
+    main_result,
     placement_info,
     resolve_optim,
     select_device,
@@ -129,8 +129,8 @@ def finetune(
     base_key = os.fspath(base) if not isinstance(base, tuple) else "in-memory"
     data_hash = records_hash(records)
     swapped = f"|optim={optim}" if optim != cfg.optim else ""  # another optimizer's checkpoints
-    with main_process_first():  # auto: measured once per CPU, by the main process; read by all
-        precision = resolve_precision(cfg.precision, device=dev)
+    # auto: measured (or recalled) by the main process; every process trains in its choice
+    precision = main_result(lambda: resolve_precision(cfg.precision, device=dev))
     if cfg.precision == "auto" and precision.bf16:  # (auto resolving to fp32: as fp32)
         swapped += "|precision=bf16"
     fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}{swapped}".encode()).hexdigest()
