@@ -188,3 +188,104 @@ def test_grouped_run_interrupted_mid_epoch_resumes_to_the_same_weights(tmp_path,
     b = load_file(str(Path(resumed) / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_resumed_ddp_epoch_gets_that_epochs_grouped_order():
+    """A run resumed mid-epoch under DDP iterates
+    SkipBatchSampler(BatchSamplerShard(BatchSampler(GroupedSampler))): accelerate's set_epoch
+    does not reach the GroupedSampler there, the Trainer-side callback does, so the resumed
+    epoch's batches are that epoch's (not epoch 0's) on every process."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderShard, skip_first_batches
+    from torch.utils.data import BatchSampler
+
+    from scpdr.training.trainer import grouped_epoch_callback
+
+    lengths = [random.Random(i).randint(1, 50) for i in range(48)]
+    data = list(range(len(lengths)))
+    batch, procs, skip = 4, 2, 2
+
+    def loader(rank):
+        sampler = GroupedSampler(lengths, batch_size=batch, seed=5)
+        shard = BatchSamplerShard(
+            BatchSampler(sampler, batch, drop_last=False), num_processes=procs, process_index=rank
+        )
+        return sampler, DataLoaderShard(data, batch_sampler=shard, collate_fn=list)
+
+    for epoch in (1, 2):
+        order = epoch_order(lengths, batch_size=batch, seed=5, epoch=epoch, grouped=True)
+        batches = [order[s : s + batch] for s in range(0, len(order), batch)]
+        for rank in range(procs):
+            expected = batches[rank::procs][skip:]  # this rank's, past the skipped ones
+            sampler, dl = loader(rank)
+            resumed = skip_first_batches(dl, skip)
+            resumed.set_epoch(epoch)  # what the Trainer does: it stops short of the sampler
+            assert sampler.epoch == 0
+            callback = grouped_epoch_callback(SimpleNamespace())
+            state = SimpleNamespace(epoch=epoch + skip / len(batches))  # resumed mid-epoch
+            callback.on_epoch_begin(None, state, None, train_dataloader=dl)
+            assert sampler.epoch == epoch
+            assert [list(b) for b in resumed] == expected
+
+
+def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok):
+    """An interrupted run whose run.json records no `grouped` (started before length grouping
+    existed: it trained in random order) resumes in random order, to the weights of a run
+    with group_by_length false; run.json and train_info record the grouping used."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from scpdr.testing import tiny_model
+
+    records = names2ids(n_train=12, n_val=1, seed=0).train
+    base = (tiny_model(0), tok)
+    common = dict(
+        max_steps=5,
+        save_steps=3,
+        batch_size=4,
+        seq_len=64,
+        packing=False,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        precision="fp32",
+        progress=False,
+    )
+
+    class Stop(Exception):
+        pass
+
+    class KillAtStep3(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == 3:
+                raise Stop
+
+    def interrupted(cfg, out):
+        with pytest.raises(Stop):
+            finetune(records, base=base, config=cfg, out=out, callbacks=[KillAtStep3()])
+        [tmp] = out.parent.glob(f"{out.name}.tmp-*")
+        return tmp
+
+    unset = TrainConfig(**common)  # group_by_length unset: grouped now (unpacked records)
+    random_order = TrainConfig(group_by_length=False, **common)
+    legacy = interrupted(unset, tmp_path / "legacy")
+    run = json.loads((legacy / "run.json").read_text())
+    assert run["grouped"] is True
+    # as a run from before grouping: random order up to its checkpoint, no `grouped` recorded
+    old = interrupted(random_order, tmp_path / "old")
+    shutil.rmtree(legacy / "checkpoint-3")
+    shutil.copytree(old / "checkpoint-3", legacy / "checkpoint-3")
+    del run["grouped"]
+    (legacy / "run.json").write_text(json.dumps(run))
+
+    resumed = finetune(records, base=base, config=unset, out=tmp_path / "legacy")
+    info = json.loads((resumed / TRAIN_INFO).read_text())
+    assert info["resumed_from"] == "checkpoint-3"
+    assert info["plan"]["grouped"] is False and info["config"]["group_by_length"] is False
+    straight = finetune(records, base=base, config=random_order, out=tmp_path / "straight")
+    a = load_file(str(Path(straight) / "model.safetensors"))
+    b = load_file(str(Path(resumed) / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)

@@ -161,20 +161,30 @@ def finetune(
     elif out.exists() and not overwrite:
         raise ConfigError(f"{out} exists and is not a finished training run; remove it first")
     resume_ckpt = choose_checkpoint(out, tmp, run, resume)  # before any model loads
+    grouping = _resumed_grouping(tmp, cfg, resume_ckpt)
     wait_for_everyone()  # every process has decided before the main one writes
     if is_main_process():
         if resume_ckpt is None and tmp.is_dir():
             shutil.rmtree(tmp)  # a start without a checkpoint: nothing in it to keep
         tmp.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(tmp / RUN_INFO, run)
+        # a resumed run's grouping is kept (rewritten with the plan's below)
+        kept = {} if grouping is None else {"grouped": grouping}
+        atomic_write_json(tmp / RUN_INFO, {**run, **kept})
 
     model, tok, base_ref = load_base(base)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     # sizing to the data (training/plan.py): packing, batch and warm-up the caller left unset
+    if grouping is not None:  # a resumed run keeps the grouping it started with
+        raw = (
+            config if isinstance(config, TrainConfig) else TrainConfig.from_dict(dict(config or {}))
+        )
+        config = raw.model_copy(update={"group_by_length": grouping})
     cfg, plan = fit_to_data(
         config, example_lengths(records, tok), name=out.name, precision=precision.summary
     )
+    if is_main_process():  # the grouping resolved (a resumed run reads it back)
+        atomic_write_json(tmp / RUN_INFO, {**run, "grouped": plan.grouped})
     logger.debug("plan of %s:\n%s", out, plan.summary())
     logger.info("%s: precision %s", out.name, precision.summary)
     for warning in plan.warnings():
@@ -318,6 +328,16 @@ def finetune(
         shutil.rmtree(tmp, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
     return out
+
+
+def _resumed_grouping(tmp: Path, cfg: TrainConfig, ckpt: Path | None) -> bool | None:
+    """The length grouping a run resumed from ``ckpt`` keeps (``None``: as the config resolves
+    it): with ``group_by_length`` unset, what its ``run.json`` recorded (``grouped``), and
+    ``False`` for a run started before grouping existed (no ``grouped``: it trained in random
+    order), so that it resumes to the weights it would have reached."""
+    if ckpt is None or cfg.group_by_length is not None or not (tmp / RUN_INFO).is_file():
+        return None
+    return bool(read_json(tmp / RUN_INFO).get("grouped", False))
 
 
 def _skip_final_checkpoint() -> TrainerCallback:
