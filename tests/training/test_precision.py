@@ -57,6 +57,7 @@ def test_auto_measures_once_per_cpu_model_and_torch_version(tmp_path, monkeypatc
     from scpdr import kernels
 
     monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
+    monkeypatch.delenv("SCPDR_PRECISION", raising=False)  # the suite's fp32 (conftest)
     kernels.reset()
     calls = []
 
@@ -76,11 +77,46 @@ def test_auto_measures_once_per_cpu_model_and_torch_version(tmp_path, monkeypatc
         assert again == first
         [stored] = (tmp_path / "kernels").glob("precision*.json")
         [key] = json.loads(stored.read_text())
-        assert key.endswith(f"|torch {torch.__version__}")
+        # per CPU model, torch version, thread count and the CPU capability torch dispatches to
+        assert key.endswith(
+            f"|torch {torch.__version__}|threads {torch.get_num_threads()}"
+            f"|{torch.backends.cpu.get_cpu_capability()}"
+        )
         # no bf16 units, or an explicit precision: nothing is measured
         assert resolve_precision("auto", flags=["avx2", "fma"], measure=never).precision == "fp32"
         assert resolve_precision("fp32", flags=FLAGS, measure=never).precision == "fp32"
         assert resolve_precision("bf16", flags=[], measure=never).bf16
+    finally:
+        kernels.reset()
+
+
+def test_environment_sets_what_auto_resolves_to(tmp_path, monkeypatch):
+    """SCPDR_PRECISION=fp32|bf16 replaces auto's decision (nothing measured); an explicit
+    precision wins over it; auto or unset leaves auto to decide; anything else is an error."""
+    from scpdr import kernels
+
+    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
+    kernels.reset()
+
+    def never():
+        raise AssertionError("measured")
+
+    try:
+        monkeypatch.setenv("SCPDR_PRECISION", "fp32")
+        c = resolve_precision("auto", flags=FLAGS, measure=never)
+        assert c.precision == "fp32" and c.requested == "auto"
+        assert c.reason == "SCPDR_PRECISION=fp32"
+        assert resolve_precision("bf16", flags=FLAGS, measure=never).bf16  # explicit wins
+        monkeypatch.setenv("SCPDR_PRECISION", "bf16")
+        c = resolve_precision("auto", flags=[], measure=never)
+        assert c.bf16 and "emulated" in c.reason
+        assert resolve_precision("fp32", flags=FLAGS, measure=never).precision == "fp32"
+        assert resolve_precision("auto", device="cuda", measure=never).bf16
+        monkeypatch.setenv("SCPDR_PRECISION", "auto")
+        assert resolve_precision("auto", flags=FLAGS, measure=lambda: _timings(2.0)).bf16
+        monkeypatch.setenv("SCPDR_PRECISION", "fp16")
+        with pytest.raises(ConfigError, match="SCPDR_PRECISION"):
+            resolve_precision("auto", flags=FLAGS, measure=never)
     finally:
         kernels.reset()
 
@@ -190,3 +226,22 @@ def test_print_plans_resolves_the_training_device(tmp_path, monkeypatch):
     pset = SimpleNamespace(k=2, parts=[records[:3], records[3:]])
     print_plans(pset, str(tmp_path), TrainConfig(), None)
     assert seen == ["cuda"]
+
+
+def test_resume_differences_compare_configs_as_trainconfig_reads_them(tmp_path):
+    """The refusal to resume another run names real differences only: a run.json from before
+    `precision` (bf16: false, no precision, grouping or chunked loss) against today's fp32 run
+    differs in nothing; the precision compared is the one each trained in."""
+    from scpdr.training.resume import _differences
+
+    now = TrainConfig().resolved().model_dump(mode="json")
+    old = {k: v for k, v in now.items() if k not in ("precision", "group_by_length")}
+    old = {**{k: v for k, v in old.items() if k != "chunked_loss"}, "bf16": False}
+    base = {"records_sha256": "x", "records": 3, "base": "b", "optim": "adamw_torch"}
+    (tmp_path / "run.json").write_text(json.dumps({**base, "config": old}))
+    run = {**base, "config": now, "precision": "fp32"}
+    assert _differences(tmp_path, run) == "nothing its run.json records"
+    said = _differences(tmp_path, {**run, "precision": "bf16"})
+    assert "bf16" not in said.replace("'bf16' now", "") and "precision ('fp32' then" in said
+    changed = {**run, "config": {**now, "learning_rate": 1.0}}
+    assert _differences(tmp_path, changed).startswith("learning_rate (interrupted run: 5e-05")

@@ -28,6 +28,7 @@ Only training is affected: the certificate math stays in fp32/float64.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +45,8 @@ __all__ = [
     "cpu_flags",
     "cpu_model_name",
     "decide_precision",
+    "decision_key",
+    "env_precision",
     "micro_benchmark",
     "resolve_precision",
 ]
@@ -59,6 +62,8 @@ MIN_SPEEDUP = 1.2
 #: The micro-benchmark's shapes: tokens x hidden x MLP width (SmolLM2-135M's 576 and 1536).
 BENCH_SHAPE = (256, 576, 1536)
 _CHOICES_FILE = "precision.choices.json"
+#: Environment variable that sets what ``auto`` resolves to (``auto``, ``fp32``, ``bf16``).
+ENV = "SCPDR_PRECISION"
 
 Timings = Sequence[tuple[str, float, float]]  # (what, bf16 seconds, fp32 seconds)
 
@@ -228,6 +233,26 @@ def _cache_file() -> Path:
     return cache_dir() / _CHOICES_FILE
 
 
+def env_precision() -> str | None:
+    """``$SCPDR_PRECISION`` (:data:`ENV`): ``fp32`` or ``bf16`` replace ``auto``'s decision;
+    unset, empty or ``auto``: ``None``."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("fp32", "bf16"):
+        raise ConfigError(f"{ENV} must be auto, fp32 or bf16, got {value!r}")
+    return value
+
+
+def decision_key(model: str) -> str:
+    """What a stored measurement is valid for: the CPU model, torch's version, its thread count
+    and the CPU capability its kernels were dispatched for (``torch.backends.cpu``)."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{model}|torch {torch.__version__}|threads {torch.get_num_threads()}|{capability}"
+
+
 def resolve_precision(
     requested: str,
     *,
@@ -237,11 +262,19 @@ def resolve_precision(
 ) -> PrecisionChoice:
     """The precision a run on ``device`` trains in (:func:`decide_precision`).
 
-    ``auto`` on a CPU with bf16 units measures once per CPU model and torch version
-    (``measure``, default :func:`micro_benchmark`; stored under ``$SCPDR_HOME/kernels``);
-    ``flags`` replaces the CPU's own (``/proc/cpuinfo``)."""
+    ``auto`` is ``$SCPDR_PRECISION`` where that is ``fp32`` or ``bf16`` (an explicit
+    ``fp32``/``bf16`` request wins over it); otherwise, on a CPU with bf16 units, it measures
+    once per :func:`decision_key` (``measure``, default :func:`micro_benchmark`; stored in
+    ``$SCPDR_HOME/kernels/precision.choices.json``: delete it to measure again); ``flags``
+    replaces the CPU's own (``/proc/cpuinfo``)."""
     requested = _check(requested)
     device_type = "cuda" if str(device).startswith("cuda") else "cpu"
+    forced = env_precision() if requested == "auto" else None
+    if forced is not None:
+        units = bf16_units(cpu_flags() if flags is None else flags)
+        chosen = decide_precision(forced, device_type=device_type, units=units)
+        _, sep, rest = chosen.reason.partition(";")  # bf16 without units: says it is emulated
+        return PrecisionChoice(forced, requested, f"{ENV}={forced}{sep}{rest}")
     if requested != "auto":
         units = bf16_units(cpu_flags() if flags is None else flags)
         return decide_precision(requested, device_type=device_type, units=units)
@@ -254,14 +287,12 @@ def resolve_precision(
     units = bf16_units(cpu_flags() if flags is None else flags)
     if not units:
         return decide_precision(requested, device_type="cpu", units=units)
-    import torch
-
     from scpdr.kernels.build import measured_choice
 
     model = cpu_model_name()
     choice = measured_choice(
         _cache_file(),
-        f"{model}|torch {torch.__version__}",
+        decision_key(model),
         measure or micro_benchmark,
         describe=lambda c: (
             f"training precision on {model} ({', '.join(units)}): "

@@ -28,6 +28,7 @@ __all__ = [
     "epoch_order",
     "example_order",
     "padding_share",
+    "set_grouped_epoch",
 ]
 
 
@@ -192,6 +193,32 @@ class GroupedSampler:
                 grouped=True,
             )
         )
+
+
+#: Attributes through which a data loader reaches its sampler: torch's ``DataLoader``
+#: (``batch_sampler``, ``sampler``), accelerate's ``BatchSamplerShard`` and ``SkipBatchSampler``
+#: (``batch_sampler``), its loader adapters (``base_dataloader``, ``dataloader``).
+_WRAPPED = ("batch_sampler", "sampler", "base_dataloader", "dataloader")
+
+
+def set_grouped_epoch(loader: Any, epoch: int, *, _depth: int = 8) -> int:
+    """Set ``epoch`` on every :class:`GroupedSampler` that ``loader`` wraps, however deep
+    (accelerate's ``set_epoch`` reaches two levels, and a resumed DDP run nests it three:
+    ``SkipBatchSampler(BatchSamplerShard(BatchSampler(GroupedSampler)))``). Returns how many
+    were set."""
+    if isinstance(loader, GroupedSampler):
+        loader.set_epoch(epoch)
+        return 1
+    if loader is None or _depth == 0:
+        return 0
+    found = 0
+    seen: set[int] = set()
+    for name in _WRAPPED:
+        inner = getattr(loader, name, None)
+        if inner is not None and inner is not loader and id(inner) not in seen:
+            seen.add(id(inner))
+            found += set_grouped_epoch(inner, epoch, _depth=_depth - 1)
+    return found
 
 
 class ListDataset:

@@ -5,7 +5,9 @@ changes, each of which can be turned off in the :class:`~scpdr.training.config.T
   :class:`~scpdr.training.sequences.GroupedSampler` — transformers' ``group_by_length`` order,
   drawn from a generator seeded by ``seed + epoch``, so a run resumed in the middle of any epoch
   replays the same batches (transformers' own grouped sampler draws from the global RNG, which a
-  resumed run has not advanced as far);
+  resumed run has not advanced as far); its epoch is set at each epoch's start by
+  :func:`grouped_epoch_callback` (accelerate's ``set_epoch`` does not reach it in a run resumed
+  under DDP, where it is nested three samplers deep);
 - **the chunked loss** (``chunked_loss``): the model is asked for its hidden states (and the
   logits of its last position only), and :class:`~scpdr.training.loss.ChunkedCausalLMLoss` is
   the Trainer's ``compute_loss_func``; the Trainer then counts the labelled tokens of the
@@ -27,7 +29,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from scpdr.training.loss import ChunkedCausalLMLoss
-from scpdr.training.sequences import CausalCollator, GroupedSampler, ListDataset
+from scpdr.training.sequences import (
+    CausalCollator,
+    GroupedSampler,
+    ListDataset,
+    set_grouped_epoch,
+)
 
 __all__ = ["make_trainer"]
 
@@ -89,6 +96,28 @@ def head_mismatch(model: Any, input_ids: Sequence[int]) -> str | None:
     return f"lm_head(hidden states) differs from its logits by up to {diff:.3g} (> {tol:.2g})"
 
 
+def grouped_epoch_callback(trainer: Any) -> Any:
+    """A ``TrainerCallback`` that sets the epoch of ``trainer``'s :class:`GroupedSampler` at
+    each epoch's start, before the Trainer skips a resumed epoch's first batches and iterates:
+    ``int(state.epoch)`` (the epochs done: exact at an epoch's start, ``e + k/n`` in a run
+    resumed ``k`` batches into epoch ``e``)."""
+    import math
+
+    from transformers import TrainerCallback
+
+    class _GroupedEpoch(TrainerCallback):
+        def on_epoch_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            epoch = math.floor(float(state.epoch or 0))
+            found = set_grouped_epoch(kw.get("train_dataloader"), epoch)
+            sampler = getattr(trainer, "_grouped_sampler", None)
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            elif not found:
+                logger.debug("no GroupedSampler to set epoch %d on", epoch)
+
+    return _GroupedEpoch()
+
+
 def make_trainer(
     *,
     model: Any,
@@ -113,7 +142,8 @@ def make_trainer(
             if grouped:
                 per_step = self.args.train_batch_size * self.args.gradient_accumulation_steps
                 seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-                return GroupedSampler(lengths, batch_size=per_step, seed=seed)
+                self._grouped_sampler = GroupedSampler(lengths, batch_size=per_step, seed=seed)
+                return self._grouped_sampler
             return super()._get_train_sampler(train_dataset)
 
         def compute_loss(
@@ -137,6 +167,8 @@ def make_trainer(
         data_collator=collator,
         callbacks=list(callbacks),
     )
+    if grouped:
+        trainer.add_callback(grouped_epoch_callback(trainer))
     chunked = bool(chunked_loss)
     if chunked and (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled):
         logger.info("FSDP/DeepSpeed shard the output layer: the model's own loss is used")
