@@ -14,9 +14,12 @@
   (:func:`micro_benchmark`: a matmul of the 135M model's MLP shape and one small
   forward/backward step, both precisions interleaved, medians) — by at least
   :data:`MIN_SPEEDUP` in every case. The measurement is stored in
-  ``$SCPDR_HOME/kernels/precision.choices.json`` keyed by the CPU's model name and torch's
-  version, with the kernels' measure-then-choose machinery
-  (:func:`scpdr.kernels.build.measured_choice`, STYLE.md 16), so later runs skip it.
+  ``$SCPDR_HOME/kernels/precision.choices.json`` keyed by :func:`decision_key` (the CPU's model
+  name, torch's version, its thread count and CPU capability), with the kernels'
+  measure-then-choose machinery (:func:`scpdr.kernels.build.measured_choice`, STYLE.md 16), so
+  later runs skip it; delete the file to measure again. ``$SCPDR_PRECISION`` (``fp32`` or
+  ``bf16``) replaces what ``auto`` resolves to, without measuring; an explicit ``fp32`` or
+  ``bf16`` wins over it.
 
 :func:`decide_precision` is the decision as a pure function of what was read and measured;
 :func:`resolve_precision` reads the flags, measures (or recalls) and calls it. The plan that
