@@ -100,6 +100,12 @@ def train(
     method: str = typer.Option("scp-delta-r", "--method", help="Default method of the bundle."),
     m: int = typer.Option(10, "--m", min=1, help="Default smoothing parameter m of the bundle."),
     device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
+    bf16: bool | None = typer.Option(
+        None,
+        "--bf16/--no-bf16",
+        hidden=True,  # the former spelling of --precision bf16 / fp32, kept working
+        help="Former spelling of --precision bf16 (--no-bf16: fp32).",
+    ),
     resume: bool = typer.Option(
         False,
         "--resume",
@@ -133,6 +139,15 @@ def train(
     from scpdr.training.placement import is_main_process, main_process_first, training_device
     from scpdr.training.resume import check_bundle_resume
 
+    if bf16 is not None:  # --bf16 / --no-bf16: --precision bf16 / fp32
+        old = "bf16" if bf16 else "fp32"
+        given = getattr(train_options.get("precision"), "value", train_options.get("precision"))
+        if given is not None and given != old:
+            raise ConfigError(
+                f"--{'' if bf16 else 'no-'}bf16 contradicts --precision {given}; drop "
+                "--bf16 (the former spelling of --precision)"
+            )
+        train_options = {**train_options, "precision": old}
     if partitions is not None:  # before any data is read or model loaded
         check_constituents(partitions)
     check_bundle_resume(out, resume)
