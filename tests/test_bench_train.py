@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
 
 
@@ -27,12 +29,14 @@ def test_bench_train_tiny_quick_prints_its_json_line():
     assert set(ratios) == {"tokens_per_s", "padding_share", "peak_rss_gb"}
     assert set(line["goals"]) == set(ratios) == set(line["goals_met"])
     tps = line["tokens_per_s"]
-    assert ratios["tokens_per_s"] == round(tps["scpdr"] / tps["hf"], 3) > 0
+    # tokens_per_s are printed to 0.1, the ratio from the unrounded ones
+    assert ratios["tokens_per_s"] == pytest.approx(tps["scpdr"] / tps["hf"], rel=1e-2)
+    assert ratios["tokens_per_s"] > 0
     assert set(tps) == {"scpdr", "hf", "scpdr-model-loss"} and line["chunked_loss_speedup"] > 0
     # grouped batches pad less than random ones on the skewed lengths
     assert ratios["padding_share"] == line["padding_share"]["scpdr"] < line["padding_share"]["hf"]
     assert 0 < ratios["peak_rss_gb"] == line["peak_rss_gb"]["scpdr"]
-    assert set(line["peak_rss_gb"]) == {"scpdr", "hf", "scpdr-checkpointing"}
+    assert set(line["peak_rss_gb"]) == {"scpdr"}  # --tiny --quick: one RSS process
     assert all(v > 0 for v in line["peak_rss_gb"].values())
     assert line["precision"]["precision"] in ("fp32", "bf16")
     assert line["goals"]["tokens_per_s"] == (1.8 if line["bf16_units"] else 1.0)
