@@ -245,3 +245,21 @@ def test_resume_differences_compare_configs_as_trainconfig_reads_them(tmp_path):
     assert "bf16" not in said.replace("'bf16' now", "") and "precision ('fp32' then" in said
     changed = {**run, "config": {**now, "learning_rate": 1.0}}
     assert _differences(tmp_path, changed).startswith("learning_rate (interrupted run: 5e-05")
+
+
+def test_measured_choice_and_decision_agree_at_the_threshold(tmp_path):
+    """A speedup of exactly MIN_SPEEDUP is "at least" it for both the stored choice
+    (measured_choice) and the precision decision."""
+    from scpdr import kernels
+    from scpdr.kernels.build import measured_choice
+
+    at = [("matmul", 1.0, MIN_SPEEDUP), ("forward+backward", 2.0, 2.0 * MIN_SPEEDUP)]
+    kernels.reset()
+    try:
+        choice = measured_choice(
+            tmp_path / "c.json", "k", lambda: at, describe=str, min_speedup=MIN_SPEEDUP
+        )
+    finally:
+        kernels.reset()
+    assert choice.use_kernel
+    assert decide_precision("auto", units=("amx_bf16",), timings=at).bf16

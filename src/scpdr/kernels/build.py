@@ -410,7 +410,8 @@ def measured_choice(
             stored = True
         else:
             timings = tuple((str(w), float(k), float(t)) for w, k, t in measure())
-            faster = bool(timings) and all(k * min_speedup < t for _, k, t in timings)
+            # at least min_speedup: t / k >= min_speedup, as decide_precision compares it
+            faster = bool(timings) and all(k > 0 and t / k >= min_speedup for _, k, t in timings)
             choice = Choice(faster, reason, timings)
             stored = False
         logger.info("%s%s", describe(choice), " (stored decision)" if stored else "")
