@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Training precision: `auto` would measure bf16 against fp32 on the machine (and pick either);
+# the tests train in fp32 everywhere, and those of `auto` unset this or inject flags and timings.
+os.environ["SCPDR_PRECISION"] = "fp32"
 # The converted base model and the tokenizer are cached here across test runs (see scpdr.models).
 os.environ.setdefault("SCPDR_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "scpdr"))
 

@@ -146,14 +146,15 @@ def test_build_sequences_packing_and_padding(tok, records):
     last = packed[-1]
     n_real = sum(last["attention_mask"])
     assert last["labels"][n_real:] == [-100] * (32 - n_real)
+    # unpacked: one example per sequence, not padded (the collator pads each batch)
     padded = build_sequences(records, tok, seq_len=64, packing=False, shuffle=False)
-    longest = max(len(tok(r.text)["input_ids"]) + 1 for r in records)
     for r, row in zip(records, padded, strict=True):
         ids = tok(r.text)["input_ids"] + [eos]
-        assert len(row["input_ids"]) == longest
-        assert row["input_ids"][: len(ids)] == ids and row["labels"][: len(ids)] == ids
-        assert row["labels"][len(ids) :] == [-100] * (longest - len(ids))
-        assert row["attention_mask"] == [1] * len(ids) + [0] * (longest - len(ids))
+        assert row["input_ids"] == ids and row["labels"] == ids
+        assert row["attention_mask"] == [1] * len(ids)
+    assert len({len(row["input_ids"]) for row in padded}) > 1
+    short = build_sequences(records, tok, seq_len=8, packing=False, shuffle=False)
+    assert [row["input_ids"] for row in short] == [row["input_ids"][:8] for row in padded]
     shuffled = build_sequences(records, tok, seq_len=64, packing=False, seed=1)
     assert sorted(map(tuple, (r["input_ids"] for r in shuffled))) == sorted(
         map(tuple, (r["input_ids"] for r in padded))
@@ -367,7 +368,11 @@ def test_cli_train_tiny_end_to_end(tmp_path, capsys):
     for i in range(2):
         info = json.loads((out / f"constituent-{i}" / TRAIN_INFO).read_text())
         assert info["global_step"] == 2 and info["config"] == want.model_dump(mode="json")
-    assert "wrote bundle" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote bundle" in printed
+    # the plan: the padding share of the batches and the precision, with its reason
+    assert "padding" in printed and "of the batches' tokens" in printed
+    assert "  precision fp32: " in printed or "  precision bf16: " in printed
 
 
 def test_cli_train_refuses_before_work_when_a_partition_dir_gets_data_options(tmp_path, capsys):

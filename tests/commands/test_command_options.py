@@ -157,3 +157,39 @@ def test_help_narrows_with_the_terminal(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "60")
     assert cli.main(["train", "--help"]) == 0
     assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 60
+
+
+@pytest.mark.parametrize(("flag", "precision"), [("--bf16", "bf16"), ("--no-bf16", "fp32")])
+def test_former_bf16_flag_of_train_is_precision(tmp_path, monkeypatch, capsys, flag, precision):
+    """`scpdr train --bf16` / `--no-bf16` (hidden, the former spelling) set --precision bf16 /
+    fp32; with a --precision that says otherwise it is an error naming both."""
+    import scpdr.commands.train as train_cmd
+    from scpdr.cli import main
+
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def build(group, values, **fixed):
+        seen.update(values)
+        raise Built
+
+    monkeypatch.setattr(train_cmd, "build", build)
+    argv = ["train", "--data", "names2ids", "--out", str(tmp_path / "b"), flag]
+    with pytest.raises(Built):
+        main(argv)
+    assert seen["precision"] == precision
+    other = "fp32" if precision == "bf16" else "bf16"
+    assert main([*argv, "--precision", other]) != 0
+    err = capsys.readouterr().err
+    assert f"{flag} contradicts --precision {other}" in err
+    assert flag not in main_help()
+
+
+def main_help() -> str:
+    from typer.testing import CliRunner
+
+    from scpdr.cli import app
+
+    return CliRunner().invoke(app, ["train", "--help"]).output

@@ -117,3 +117,37 @@ def test_experiment_stages_run_on_cuda(tmp_path):
     result = run_experiment(cfg, tmp_path, progress=False)
     rows = json.loads(result.results_json.read_text())
     assert rows and all(math.isfinite(r["value"]) for r in rows if r.get("value") is not None)
+
+
+def test_chunked_loss_on_cuda_is_the_models_own_loss():
+    """The chunked loss (training/loss.py) on CUDA: the model's own loss and gradients, in fp32
+    and under bf16 autocast (to bf16 rounding), the result on the GPU."""
+    from scpdr.data import names2ids
+    from scpdr.testing import tiny_model, tiny_tokenizer
+    from scpdr.training import CausalCollator, build_sequences
+    from scpdr.training.loss import ChunkedCausalLMLoss
+
+    tok = tiny_tokenizer()
+    records = names2ids(n_train=6, n_val=1, seed=0).train
+    rows = build_sequences(records[:4], tok, seq_len=64, packing=False, shuffle=False)
+    batch = CausalCollator(pad_token_id=tok.eos_token_id)(rows)
+    batch = {k: v.cuda() for k, v in batch.items()}
+    model = tiny_model(0).cuda().train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    labels = batch.pop("labels")
+    for autocast, rtol in ((False, 1e-5), (True, 2e-2)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            ref = model(**batch, labels=labels).loss  # the model's own
+            out = model(**batch, output_hidden_states=True, logits_to_keep=1)
+        fn = ChunkedCausalLMLoss(
+            model.get_output_embeddings(),
+            vocab_size=model.config.vocab_size,
+            autocast="cuda" if autocast else None,
+        )
+        ours = fn(out, labels)
+        assert ours.device.type == "cuda" and ours.dtype == torch.float32
+        torch.testing.assert_close(ours, ref, rtol=rtol, atol=0)
+        g_ref = torch.autograd.grad(ref, params)
+        g_ours = torch.autograd.grad(ours, params)
+        for a, b in zip(g_ours, g_ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()))

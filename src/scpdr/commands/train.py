@@ -29,16 +29,26 @@ from scpdr.device import DEVICE_HELP
 _DEFAULT_K = 2
 
 
-def print_plans(pset: Any, base_ref: str, config: Any) -> None:
-    """Print each constituent's training plan (:func:`scpdr.training.fit_to_data`)."""
+def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None) -> None:
+    """Print each constituent's training plan (:func:`scpdr.training.fit_to_data`), with the
+    precision it trains in on ``device`` (``None``: the default, as training resolves it) and
+    why (:mod:`scpdr.training.precision`; decided by the main process, as in training)."""
     from scpdr.models import load_tokenizer
     from scpdr.training import example_lengths, fit_to_data
+    from scpdr.training.placement import main_result, training_device
+    from scpdr.training.precision import resolve_precision
 
     tok = load_tokenizer(base_ref)
+    why = ""
+    if not config.dp:
+        dev = training_device(device)
+        why = main_result(lambda: resolve_precision(config.precision, device=dev)).summary
     typer.echo(f"training plan ({pset.k} constituents):")
     for i, part in enumerate(pset.parts):
         if part:
-            _, plan = fit_to_data(config, example_lengths(part, tok), name=f"constituent-{i}")
+            _, plan = fit_to_data(
+                config, example_lengths(part, tok), name=f"constituent-{i}", precision=why
+            )
             typer.echo(plan.summary())
             if config.dp:  # the privacy of the run: ε, δ, σ, q, steps (training/dp.py)
                 from scpdr.training.dp import dp_plan
@@ -90,6 +100,12 @@ def train(
     method: str = typer.Option("scp-delta-r", "--method", help="Default method of the bundle."),
     m: int = typer.Option(10, "--m", min=1, help="Default smoothing parameter m of the bundle."),
     device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
+    bf16: bool | None = typer.Option(
+        None,
+        "--bf16/--no-bf16",
+        hidden=True,  # the former spelling of --precision bf16 / fp32, kept working
+        help="Former spelling of --precision bf16 (--no-bf16: fp32).",
+    ),
     resume: bool = typer.Option(
         False,
         "--resume",
@@ -108,6 +124,12 @@ def train(
     and checked by the partition audit; --group-field keeps a data subject's records in one
     partition. `scpdr eval BUNDLE` measures them; `scpdr export` makes a bundle without them.
     An interrupted run continues with --resume.
+
+    Each step costs what the data needs: unpacked records are batched by length and padded
+    per batch (--no-group-by-length: random batches), the loss is computed in chunks of
+    tokens (--no-chunked-loss: the model's own), and --precision auto trains in bf16 where
+    the CPU has bf16 units and it measured faster. The plan printed first says how much
+    of the batches is padding, and which precision and why.
     """
     from scpdr.commands import check_method
     from scpdr.data import load_partitions, prepare_partitions
@@ -117,6 +139,15 @@ def train(
     from scpdr.training.placement import is_main_process, main_process_first, training_device
     from scpdr.training.resume import check_bundle_resume
 
+    if bf16 is not None:  # --bf16 / --no-bf16: --precision bf16 / fp32
+        old = "bf16" if bf16 else "fp32"
+        given = getattr(train_options.get("precision"), "value", train_options.get("precision"))
+        if given is not None and given != old:
+            raise ConfigError(
+                f"--{'' if bf16 else 'no-'}bf16 contradicts --precision {given}; drop "
+                "--bf16 (the former spelling of --precision)"
+            )
+        train_options = {**train_options, "precision": old}
     if partitions is not None:  # before any data is read or model loaded
         check_constituents(partitions)
     check_bundle_resume(out, resume)
@@ -188,7 +219,7 @@ def train(
                 tiny_model(seed).save_pretrained(str(tiny_dir))
                 tiny_tokenizer().save_pretrained(str(tiny_dir))
         base_ref = str(tiny_dir)
-    print_plans(pset, base_ref, cfg)
+    print_plans(pset, base_ref, cfg, device)
     path = train_bundle(
         source,
         base=base_ref,

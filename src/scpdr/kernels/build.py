@@ -14,7 +14,8 @@ rounds, medians: robust to other load on the machine), and keeps the faster one
 (:func:`choose`; STYLE.md 16, after torch's cuDNN benchmark mode). The decision is logged
 once at INFO (``packed GEMM (avx512, native build): 2.1× torch at 3 rows, 1.9× torch at 24
 rows: kernel used``) and stored beside the library (``<library>.choices.json``), so later
-processes skip the measurement. Environment switches force either side without measuring:
+processes skip the measurement. :func:`measured_choice` is that mechanism for any candidate
+against its reference (training's bf16 against fp32 uses it too: ``scpdr.training.precision``). Environment switches force either side without measuring:
 ``SCPDR_NAF_KERNEL`` (the SCP-Δr and CP-Fuse kernels) and ``SCPDR_GEMM_KERNEL`` (the packed GEMM) set to
 ``0``/``off``/``false``/``no`` use torch, ``1``/``on``/``true``/``yes`` the kernel, ``auto``
 (or unset) measure. :func:`force` does the same from code and :func:`reset` forgets this
@@ -63,6 +64,7 @@ __all__ = [
     "interleaved_medians",
     "kernel_source",
     "load",
+    "measured_choice",
     "policy",
     "remembered",
     "reset",
@@ -351,30 +353,72 @@ def _choices_file(lib: Library) -> Path:
     return lib.path.with_suffix(".choices.json")
 
 
-def _read_choices(lib: Library) -> dict[str, dict]:
+def _read_choices(path: Path) -> dict[str, dict]:
     try:
-        data = json.loads(_choices_file(lib).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _store(lib: Library, shape: str, choice: Choice) -> None:
-    """Add ``shape``'s decision to the library's choices file (read, merge, atomic write)."""
+def _store(path: Path, key: str, choice: Choice) -> None:
+    """Add ``key``'s decision to the choices file ``path`` (read, merge, atomic write)."""
     record = {"use_kernel": choice.use_kernel, "reason": choice.reason,
               "timings": [list(t) for t in choice.timings]}  # fmt: skip
     try:
-        data = _read_choices(lib)
-        data[shape] = record
-        atomic_write_json(_choices_file(lib), data)
+        data = _read_choices(path)
+        data[key] = record
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, data)
     except OSError as exc:  # a read-only cache: decide again next time
-        logger.debug("could not store the kernel choice in %s: %s", _choices_file(lib), exc)
+        logger.debug("could not store the decision in %s: %s", path, exc)
 
 
 def _describe(title: str, lib: Library, choice: Choice) -> str:
     parts = [f"{t / k:.2g}× torch {what}" for what, k, t in choice.timings if k > 0]
     side = "kernel used" if choice.use_kernel else "torch used"
     return f"{title} ({lib.label}): {', '.join(parts) or choice.reason}: {side}"
+
+
+def measured_choice(
+    path: Path,
+    key: str,
+    measure: Callable[[], Sequence[tuple[str, float, float]]],
+    *,
+    describe: Callable[[Choice], str],
+    min_speedup: float = 1.0,
+    reason: str = "measured",
+) -> Choice:
+    """Measure, then choose, once per machine: the decision stored under ``key`` in the JSON
+    file ``path`` (this process's, else the file's), else ``measure()``-d — ``(what, candidate
+    seconds, reference seconds)`` per case, timed in the same moment — with the candidate (a
+    kernel, a precision, ...) kept only if it is at least ``min_speedup`` times faster in every
+    case. A new decision is stored in ``path``; each is logged once at INFO as
+    ``describe(choice)``. The one mechanism behind :func:`choose` and
+    :func:`scpdr.training.precision.resolve_precision`."""
+    memo = (str(path), key)
+    found = _STATE.choices.get(memo)
+    if found is not None:
+        return found
+    with _STATE.lock:
+        if memo in _STATE.choices:
+            return _STATE.choices[memo]
+        record = _read_choices(path).get(key)
+        if isinstance(record, dict) and isinstance(record.get("use_kernel"), bool):
+            timings = tuple((str(w), float(k), float(t)) for w, k, t in record.get("timings") or ())
+            choice = Choice(record["use_kernel"], str(record.get("reason", "stored")), timings)
+            stored = True
+        else:
+            timings = tuple((str(w), float(k), float(t)) for w, k, t in measure())
+            # at least min_speedup: t / k >= min_speedup, as decide_precision compares it
+            faster = bool(timings) and all(k > 0 and t / k >= min_speedup for _, k, t in timings)
+            choice = Choice(faster, reason, timings)
+            stored = False
+        logger.info("%s%s", describe(choice), " (stored decision)" if stored else "")
+        if not stored:
+            _store(path, key, choice)
+        _STATE.choices[memo] = choice
+        return choice
 
 
 def choose(
@@ -387,37 +431,23 @@ def choose(
     """Kernel or torch for the shape class ``shape`` of ``lib``: forced by :func:`policy`,
     else remembered (this process, then ``<library>.choices.json``), else ``measure()``-d —
     ``(what, kernel seconds, torch seconds)`` per case, timed in the same moment — and the
-    kernel kept only if it is faster in every case. Logged once at INFO as ``title``."""
+    kernel kept only if it is faster in every case (:func:`measured_choice`). Logged once at
+    INFO as ``title``."""
     side = policy(lib.name)
     if side != "auto":
         return Choice(side == "kernel", f"forced ({SWITCHES[lib.name]} or scpdr.kernels.force)")
-    key = (str(lib.path), shape)
-    found = _STATE.choices.get(key)
-    if found is not None:
-        return found
-    with _STATE.lock:
-        if key in _STATE.choices:
-            return _STATE.choices[key]
-        record = _read_choices(lib).get(shape)
-        if isinstance(record, dict) and isinstance(record.get("use_kernel"), bool):
-            timings = tuple((str(w), float(k), float(t)) for w, k, t in record.get("timings") or ())
-            choice = Choice(record["use_kernel"], str(record.get("reason", "stored")), timings)
-            stored = True
-        else:
-            timings = tuple((str(w), float(k), float(t)) for w, k, t in measure())
-            faster = bool(timings) and all(k < t for _, k, t in timings)
-            choice = Choice(faster, "measured against torch", timings)
-            stored = False
-        logger.info("%s%s", _describe(title, lib, choice), " (stored decision)" if stored else "")
-        if not stored:
-            _store(lib, shape, choice)
-        _STATE.choices[key] = choice
-        return choice
+    return measured_choice(
+        _choices_file(lib),
+        shape,
+        measure,
+        describe=lambda choice: _describe(title, lib, choice),
+        reason="measured against torch",
+    )
 
 
 def remembered(lib: Library, shape: str, choice: Choice, *, title: str) -> Choice:
     """Record a decision made without measuring (e.g. an ISA without a tile), logged once."""
-    key = (str(lib.path), shape)
+    key = (str(_choices_file(lib)), shape)
     with _STATE.lock:
         if key not in _STATE.choices:
             logger.info("%s", _describe(title, lib, choice))
@@ -430,11 +460,13 @@ def decisions() -> dict[str, dict[str, object]]:
     build) <shape class>": {"use_kernel": bool, "speedups": {what: torch/kernel time}}}``."""
     with _STATE.lock:
         items = list(_STATE.choices.items())
-    libs = {str(lib.path): lib for lib in _STATE.libraries.values() if lib is not None}
+    libs = {str(_choices_file(lib)): lib for lib in _STATE.libraries.values() if lib is not None}
     out: dict[str, dict[str, object]] = {}
     for (path, shape), choice in items:
         lib = libs.get(path)
-        name = f"{lib.name} ({lib.label})" if lib else Path(path).name
+        if lib is None:  # another measured decision (:func:`measured_choice`), not a kernel's
+            continue
+        name = f"{lib.name} ({lib.label})"
         speedups = {w: round(v, 3) for w, v in choice.speedups.items()}
         out[f"{name} {shape}"] = {"use_kernel": choice.use_kernel, "speedups": speedups}
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "DP_FIELDS",
     "LORA_TARGET_MODULES",
     "PAPER_DEFAULTS",
+    "Precision",
     "TrainConfig",
     "make_config",
 ]
@@ -50,8 +52,25 @@ PAPER_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "packing": (True, False),
 }
 
-#: Settings that do not change the trained weights (left out of the fingerprint).
-NOT_IN_FINGERPRINT = ("progress", "logging_steps", "save_steps", "save_total_limit")
+#: Settings that do not change the trained weights (left out of the fingerprint); the chunked
+#: loss is the same loss with the same gradients (to float rounding) as the model's own.
+NOT_IN_FINGERPRINT = (
+    "progress",
+    "logging_steps",
+    "save_steps",
+    "save_total_limit",
+    "chunked_loss",
+)
+
+
+class Precision(str, Enum):
+    """Training precision (:mod:`scpdr.training.precision`)."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 #: The DP-SGD fields (:mod:`scpdr.training.dp`); left out of the fingerprint when DP is off, so
 #: runs trained before they existed keep theirs.
 DP_FIELDS = ("dp_epsilon", "dp_delta", "dp_max_grad_norm")
@@ -66,7 +85,7 @@ class TrainConfig(BaseModel):
     paper's shortest setting is 25); ``max_steps`` is ``None`` (train for ``epochs``) or ≥ 1.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True)
 
     lora: bool = Field(False, description="Train a LoRA adapter instead of all weights.")
     epochs: float | None = Field(
@@ -125,7 +144,22 @@ class TrainConfig(BaseModel):
     )
     save_total_limit: int = Field(1, ge=1, description="Checkpoints kept while training.")
     logging_steps: int = Field(10, ge=1, description="Log the loss every this many steps.")
-    bf16: bool = Field(False, description="bf16 mixed precision (GPU).")
+    precision: Precision = Field(
+        Precision.auto,
+        description="auto: bf16 mixed precision (fp32 master weights) where the CPU has bf16 "
+        "units (amx_bf16, avx512_bf16) and a first-use micro-benchmark finds it faster, or the "
+        "GPU supports it; fp32 otherwise. fp32 or bf16 force one.",
+    )
+    group_by_length: bool | None = Field(
+        None,
+        description="Batch sequences of similar length (as transformers' group_by_length), so "
+        "each batch pads little; unset: on for unpacked records, off when packing.",
+    )
+    chunked_loss: bool = Field(
+        True,
+        description="Compute lm_head and the cross-entropy in chunks of tokens, recomputed in "
+        "the backward pass: memory grows with the tokens, not tokens x vocabulary.",
+    )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     progress: bool = Field(
         True,
@@ -151,6 +185,28 @@ class TrainConfig(BaseModel):
         # -1 is the Trainer's (and this config's former) spelling of "no step limit": configs
         # saved before it became None keep loading.
         return None if v == -1 else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_is_precision(cls, data: Any) -> Any:
+        # configs and train_info.json files written before `precision` have `bf16: bool`: true
+        # is precision bf16, false what those runs trained in, fp32
+        if not isinstance(data, dict) or "bf16" not in data:
+            return data
+        data = dict(data)
+        bf16 = data.pop("bf16")
+        if not isinstance(bf16, bool):
+            raise ValueError(f"bf16 must be true or false, got {bf16!r} (now: precision)")
+        old = "bf16" if bf16 else "fp32"
+        given = data.get("precision")
+        given = getattr(given, "value", given)
+        if given is not None and given != old:
+            raise ValueError(
+                f"bf16: {str(bf16).lower()} contradicts precision: {given}; drop bf16 (it is "
+                "the former spelling of precision)"
+            )
+        data["precision"] = old
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -217,6 +273,7 @@ class TrainConfig(BaseModel):
         value = info.get_default(call_default_factory=True)
         if value is None:
             return None
+        value = getattr(value, "value", value)  # an Enum's value ("auto"), not its name
         return ", ".join(value) if isinstance(value, list) else str(value)
 
     # ------------------------------------------------------------------ serialization
@@ -258,13 +315,21 @@ class TrainConfig(BaseModel):
 
     def fingerprint(self) -> str:
         """SHA-256 of the resolved settings that change the trained weights (not logging,
-        checkpointing or progress)."""
+        checkpointing, progress or the chunked loss). Runs trained before ``precision`` and
+        ``group_by_length`` existed keep theirs: precision counts as ``bf16: true/false``
+        (``auto`` as false: :func:`~scpdr.training.finetune.finetune` adds what it resolves to)
+        and ``group_by_length`` only when set."""
         d = self.resolved().model_dump(mode="json")
         for k in NOT_IN_FINGERPRINT:
             d.pop(k)
         if d["dp_epsilon"] is None:
             for k in DP_FIELDS:
                 d.pop(k)
+        # as before `precision` and `group_by_length` existed: `bf16` (auto counts as fp32 here;
+        # finetune adds the precision auto resolves to), and length grouping only when set
+        d["bf16"] = d.pop("precision") == "bf16"
+        if d["group_by_length"] is None:
+            d.pop("group_by_length")
         # "no step limit" was -1 before it was None: finished runs keep their fingerprint
         d["max_steps"] = -1 if d["max_steps"] is None else d["max_steps"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()

@@ -304,8 +304,10 @@ def finetune_dp(
         num_warmup_steps=cfg.warmup_steps,
         num_training_steps=dp.steps,
     )
-    collate = CausalCollator(
-        goldfish_k=cfg.goldfish_k if cfg.goldfish else None, goldfish_h=cfg.goldfish_h
+    collate = CausalCollator(  # each Poisson batch padded to its longest record
+        goldfish_k=cfg.goldfish_k if cfg.goldfish else None,
+        goldfish_h=cfg.goldfish_h,
+        pad_token_id=tok.eos_token_id,
     )
     sampler = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, Any]] = []

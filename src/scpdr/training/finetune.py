@@ -11,6 +11,12 @@ Runs are resumable and their outputs atomic: a run trains in ``<out>.tmp-<finger
 ``resume`` is left unset or ``False``); the final directory (model safetensors or adapter,
 tokenizer, ``train_info.json``) is renamed to ``out`` at the end. The same code runs under
 ``accelerate launch`` on several processes.
+
+A step's cost follows the data (:mod:`scpdr.training.trainer`): unpacked records are batched by
+length and each batch padded to its own longest; the loss is computed in chunks of tokens
+(:mod:`scpdr.training.loss`); and the run trains in bf16 where the hardware has it and it is
+measured faster (:mod:`scpdr.training.precision`). ``train_info.json`` records each (``plan``,
+``loss``, ``precision``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from scpdr.training.loading import TRAIN_INFO, load_base, untie_lm_head, wrap_lo
 from scpdr.training.placement import (
     full_state_dict,
     is_main_process,
+    main_result,
     placement_info,
     resolve_optim,
     select_device,
@@ -42,8 +49,10 @@ from scpdr.training.placement import (
     world_size,
 )
 from scpdr.training.plan import example_lengths, fit_to_data
+from scpdr.training.precision import resolve_precision
 from scpdr.training.resume import RUN_INFO, choose_checkpoint
-from scpdr.training.sequences import CausalCollator, ListDataset, build_sequences
+from scpdr.training.sequences import CausalCollator, build_sequences
+from scpdr.training.trainer import make_trainer
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback
@@ -51,7 +60,6 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = ["TRAIN_INFO", "finetune"]
-
 
 
 def _tmp_dir(out: Path, fingerprint: str) -> Path:
@@ -101,7 +109,7 @@ def finetune(
     """
     import torch
     import transformers
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     cfg = make_config(config)  # resolved: the paper defaults filled in
     if cfg.dp:  # DP-SGD: Opacus' per-example gradients in a plain loop (training/dp.py)
@@ -121,6 +129,10 @@ def finetune(
     base_key = os.fspath(base) if not isinstance(base, tuple) else "in-memory"
     data_hash = records_hash(records)
     swapped = f"|optim={optim}" if optim != cfg.optim else ""  # another optimizer's checkpoints
+    # auto: measured (or recalled) by the main process; every process trains in its choice
+    precision = main_result(lambda: resolve_precision(cfg.precision, device=dev))
+    if cfg.precision == "auto" and precision.bf16:  # (auto resolving to fp32: as fp32)
+        swapped += "|precision=bf16"
     fp = hashlib.sha256(f"{cfg.fingerprint()}|{data_hash}|{base_key}{swapped}".encode()).hexdigest()
     tmp = _tmp_dir(out, fp)
     run = {
@@ -130,6 +142,7 @@ def finetune(
         "records_sha256": data_hash,
         "base": base_key,
         "optim": optim,
+        "precision": precision.precision,
     }
 
     info_path = out / TRAIN_INFO
@@ -148,19 +161,32 @@ def finetune(
     elif out.exists() and not overwrite:
         raise ConfigError(f"{out} exists and is not a finished training run; remove it first")
     resume_ckpt = choose_checkpoint(out, tmp, run, resume)  # before any model loads
+    grouping = _resumed_grouping(tmp, cfg, resume_ckpt)
     wait_for_everyone()  # every process has decided before the main one writes
     if is_main_process():
         if resume_ckpt is None and tmp.is_dir():
             shutil.rmtree(tmp)  # a start without a checkpoint: nothing in it to keep
         tmp.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(tmp / RUN_INFO, run)
+        # a resumed run's grouping is kept (rewritten with the plan's below)
+        kept = {} if grouping is None else {"grouped": grouping}
+        atomic_write_json(tmp / RUN_INFO, {**run, **kept})
 
     model, tok, base_ref = load_base(base)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     # sizing to the data (training/plan.py): packing, batch and warm-up the caller left unset
-    cfg, plan = fit_to_data(config, example_lengths(records, tok), name=out.name)
+    if grouping is not None:  # a resumed run keeps the grouping it started with
+        raw = (
+            config if isinstance(config, TrainConfig) else TrainConfig.from_dict(dict(config or {}))
+        )
+        config = raw.model_copy(update={"group_by_length": grouping})
+    cfg, plan = fit_to_data(
+        config, example_lengths(records, tok), name=out.name, precision=precision.summary
+    )
+    if is_main_process():  # the grouping resolved (a resumed run reads it back)
+        atomic_write_json(tmp / RUN_INFO, {**run, "grouped": plan.grouped})
     logger.debug("plan of %s:\n%s", out, plan.summary())
+    logger.info("%s: precision %s", out.name, precision.summary)
     for warning in plan.warnings():
         logger.warning("%s: %s", out.name, warning)
     rows = build_sequences(
@@ -209,21 +235,26 @@ def finetune(
         logging_first_step=True,
         report_to="none",
         disable_tqdm=True,  # a rich bar per constituent instead (training/progress.py)
-        bf16=cfg.bf16,
+        bf16=precision.bf16,  # autocast bf16, fp32 master weights (training/precision.py)
         activation_checkpointing=cfg.gradient_checkpointing,
         use_cpu=dev == "cpu",
         ddp_find_unused_parameters=False,  # every trainable weight is used in the forward
         dataloader_num_workers=0,
         remove_unused_columns=False,
     )
-    trainer = Trainer(
+    trainer, chunked = make_trainer(
         model=model,
         args=args,
-        train_dataset=ListDataset(rows),
-        data_collator=CausalCollator(
-            goldfish_k=cfg.goldfish_k if cfg.goldfish else None, goldfish_h=cfg.goldfish_h
+        rows=rows,
+        collator=CausalCollator(
+            goldfish_k=cfg.goldfish_k if cfg.goldfish else None,
+            goldfish_h=cfg.goldfish_h,
+            pad_token_id=tok.eos_token_id,
         ),
-        callbacks=list(callbacks),
+        grouped=plan.grouped,  # group_by_length, resolved by the plan
+        chunked_loss=cfg.chunked_loss,
+        autocast=("cuda" if dev.startswith("cuda") else "cpu") if precision.bf16 else None,
+        callbacks=callbacks,
     )
     trainer.add_callback(_skip_final_checkpoint())
     # the Trainer prints its logs to stdout: a progress bar shows them, or they are logged
@@ -286,6 +317,8 @@ def finetune(
                 "python": platform.python_version(),
             },
             "adapter": bool(cfg.lora and not merge_lora),
+            "precision": precision.to_dict(),
+            "loss": "chunked" if chunked else "model",
             "placement": placement_info(trainer, dev, optim),
         }
         atomic_write_json(stage / TRAIN_INFO, info)
@@ -295,6 +328,16 @@ def finetune(
         shutil.rmtree(tmp, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
     return out
+
+
+def _resumed_grouping(tmp: Path, cfg: TrainConfig, ckpt: Path | None) -> bool | None:
+    """The length grouping a run resumed from ``ckpt`` keeps (``None``: as the config resolves
+    it): with ``group_by_length`` unset, what its ``run.json`` recorded (``grouped``), and
+    ``False`` for a run started before grouping existed (no ``grouped``: it trained in random
+    order), so that it resumes to the weights it would have reached."""
+    if ckpt is None or cfg.group_by_length is not None or not (tmp / RUN_INFO).is_file():
+        return None
+    return bool(read_json(tmp / RUN_INFO).get("grouped", False))
 
 
 def _skip_final_checkpoint() -> TrainerCallback:

@@ -202,6 +202,7 @@ def _recorded_config(
     if not isinstance(info.get("config"), dict):
         raise ConfigError(f"{info_path} records no training config; train a new bundle instead")
     cfg = TrainConfig.from_dict(info["config"], what=f"training config of {info_path}")
+    cfg = _as_trained(cfg, info)
     seed = (info.get("seeds") or {}).get("seed", cfg.seed)
     if seed != cfg.seed:
         raise BundleError(f"{info_path} records seed {seed} but its config seed {cfg.seed}")
@@ -213,6 +214,22 @@ def _recorded_config(
             "done by training it again"
         )
     return cfg
+
+
+def _as_trained(cfg: TrainConfig, info: dict[str, Any]) -> TrainConfig:
+    """``cfg`` with what ``train_info.json`` says the run resolved pinned: the precision it
+    trained in (``auto`` decides again on another machine, or after a re-measurement) and,
+    with ``group_by_length`` unset, the grouping it used (``plan.grouped``; a run from before
+    grouping existed trained in random order: ``False``)."""
+    update: dict[str, Any] = {}
+    ran = info.get("precision")
+    ran = ran.get("precision") if isinstance(ran, dict) else ran
+    if cfg.precision == "auto" and ran in ("fp32", "bf16"):
+        update["precision"] = ran
+    if cfg.group_by_length is None:
+        plan = info.get("plan")
+        update["group_by_length"] = bool(isinstance(plan, dict) and plan.get("grouped", False))
+    return cfg.model_copy(update=update) if update else cfg
 
 
 def _train_base(bundle: Path, manifest: BundleManifest, new_root: Path) -> str:

@@ -20,8 +20,8 @@ import contextlib
 import importlib.util
 import logging
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from scpdr.device import cuda_index, is_cuda, resolve_device
 from scpdr.errors import ConfigError
@@ -32,6 +32,7 @@ __all__ = [
     "is_main_process",
     "launched",
     "main_process_first",
+    "main_result",
     "placement_info",
     "resolve_optim",
     "select_device",
@@ -86,6 +87,21 @@ def wait_for_everyone() -> None:
     """A barrier across the training processes (nothing without a launcher)."""
     if launched():
         _state().wait_for_everyone()
+
+
+T = TypeVar("T")
+
+
+def main_result(fn: Callable[[], T]) -> T:
+    """``fn()`` computed by the main process only and handed (pickled) to every process, so all
+    of them act on the main process' decision (without a launcher: ``fn()``)."""
+    if not launched():
+        return fn()
+    from accelerate.utils import broadcast_object_list
+
+    box: list[Any] = [fn() if is_main_process() else None]
+    broadcast_object_list(box)
+    return box[0]
 
 
 @contextlib.contextmanager

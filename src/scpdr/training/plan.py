@@ -11,11 +11,13 @@ the user set and sizes the rest to the data:
   otherwise the paper's default for the mode;
 - **batch size** (unset, unpacked full fine-tuning): up to 8 records per step (at least 8 steps
   an epoch), instead of the paper's one 2048-token block;
-- **warm-up** (unset): at most 10% of the optimizer steps (the paper's 50 when there are ≥ 500).
+- **warm-up** (unset): at most 10% of the optimizer steps (the paper's 50 when there are ≥ 500);
+- **length grouping** (``group_by_length`` unset): on for unpacked records, so that each batch,
+  padded to its own longest sequence, holds records of similar length.
 
 :class:`TrainPlan` is what the run will do (records, tokens, sequences, steps, epochs, the lr
-schedule) and :meth:`TrainPlan.warnings` says when it cannot learn (no step past the warm-up,
-too few steps).
+schedule, the share of padding in its batches, the precision and why) and
+:meth:`TrainPlan.warnings` says when it cannot learn (no step past the warm-up, too few steps).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from scpdr.data.records import Record
 from scpdr.training.config import TrainConfig, make_config
+from scpdr.training.sequences import epoch_order, example_order, padding_share
 
 __all__ = [
     "MAX_WARMUP_FRACTION",
@@ -68,6 +71,14 @@ class TrainPlan:
     lora: bool
     name: str = ""
     changes: list[str] = field(default_factory=list)
+    #: length-grouped batches (``group_by_length``, resolved)
+    grouped: bool = False
+    #: pad tokens / all tokens of the first epoch's batches, as they will be built
+    padding: float = 0.0
+    #: the same without length grouping (unpacked records only)
+    padding_ungrouped: float | None = None
+    #: the precision and why (:attr:`~scpdr.training.precision.PrecisionChoice.summary`)
+    precision: str = ""
 
     def warnings(self) -> list[str]:
         """Why this plan cannot (or can hardly) learn, in words; empty when it can."""
@@ -89,11 +100,22 @@ class TrainPlan:
         """The plan in a few lines (what ``scpdr train`` prints before training)."""
         name = f"{self.name}: " if self.name else ""
         mode = "LoRA" if self.lora else "full fine-tuning"
-        seqs = (
-            f"packed into {self.sequences} sequences of {self.seq_len} tokens"
-            if self.packing
-            else f"one per sequence (padded to {self.seq_len} tokens)"
-        )
+        if self.packing:
+            seqs = (
+                f"packed into {self.sequences} sequences of {self.seq_len} tokens "
+                f"(padding {self.padding:.0%} of the batches' tokens)"
+            )
+        else:
+            how = "length-grouped batches" if self.grouped else "batches in random order"
+            other = (
+                f"; {self.padding_ungrouped:.0%} {'without' if self.grouped else 'with'} grouping"
+                if self.padding_ungrouped is not None
+                else ""
+            )
+            seqs = (
+                f"one per sequence, each batch padded to its longest: padding {self.padding:.0%} "
+                f"of the batches' tokens ({how}{other})"
+            )
         lines = [
             f"{name}{self.records} records, {self.tokens} tokens (longest {self.longest}), {seqs}",
             f"  {mode}: batch {self.batch_size} x {self.grad_accum} accumulation, "
@@ -102,6 +124,8 @@ class TrainPlan:
             f"  lr {self.learning_rate:g}, {self.lr_scheduler} schedule, "
             f"{self.warmup_steps} warm-up steps",
         ]
+        if self.precision:
+            lines.append(f"  precision {self.precision}")
         lines += [f"  sized to the data: {c}" for c in self.changes]
         lines += [f"  WARNING: {w}" for w in self.warnings()]
         return "\n".join(lines)
@@ -134,11 +158,14 @@ def fit_to_data(
     lengths: Sequence[int],
     *,
     name: str = "",
+    precision: str = "",
 ) -> tuple[TrainConfig, TrainPlan]:
     """The resolved config a run on examples of these token ``lengths`` uses, and its plan.
 
     Fields the caller set are kept (an explicit ``warmup_steps`` longer than the run is a
-    warning, not a change); unset ones are sized as the module docstring says."""
+    warning, not a change); unset ones are sized as the module docstring says. ``precision``:
+    the plan's precision line (:func:`~scpdr.training.precision.resolve_precision`'s
+    ``summary``); the plan has none without it."""
     raw = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(dict(config or {}))
     given = raw.model_fields_set
     cfg = make_config(raw)
@@ -175,6 +202,19 @@ def fit_to_data(
                 f"{min(cfg.warmup_steps / total, 1):.0%})"
             )
     cfg = cfg.model_copy(update=update) if update else cfg
+    grouped = (not packing) if cfg.group_by_length is None else bool(cfg.group_by_length)
+    if packing:
+        padded = n_seq * cfg.seq_len
+        share, ungrouped = ((padded - tokens) / padded if padded else 0.0), None
+    else:  # the sequences in build_sequences' order, truncated to seq_len
+        order = example_order(n, seed=cfg.seed, shuffle=cfg.shuffle_examples)
+        seqs = [min(int(lengths[i]), cfg.seq_len) for i in order]
+
+        def share_of(group: bool) -> float:
+            ids = epoch_order(seqs, batch_size=batch * cfg.grad_accum, seed=cfg.seed, grouped=group)
+            return padding_share(seqs, ids, batch)
+
+        share, ungrouped = share_of(grouped), share_of(False) if grouped else None
     plan = TrainPlan(
         records=n,
         tokens=tokens,
@@ -193,5 +233,9 @@ def fit_to_data(
         lora=cfg.lora,
         name=name,
         changes=changes,
+        grouped=grouped,
+        padding=share,
+        padding_ungrouped=ungrouped,
+        precision=precision,
     )
     return cfg, plan

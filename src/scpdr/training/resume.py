@@ -65,8 +65,10 @@ def _differences(tmp: Path, run: dict[str, Any]) -> str:
         return "its settings, data or base model (it keeps no run.json to say which)"
     old = read_json(path)
     diffs = []
-    a, b = old.get("config", {}), run["config"]
-    for key in sorted((set(a) | set(b)) - set(NOT_IN_FINGERPRINT)):
+    # both as TrainConfig reads them (a former `bf16: false` is `precision: fp32`); the precision
+    # compared is the one each trained in (below), not the asked-for one
+    a, b = _normalised(old.get("config", {})), _normalised(run["config"])
+    for key in sorted((set(a) | set(b)) - set(NOT_IN_FINGERPRINT) - {"precision"}):
         if a.get(key) != b.get(key):
             diffs.append(f"{key} (interrupted run: {a.get(key)!r}, now: {b.get(key)!r})")
     if old.get("records_sha256") != run["records_sha256"]:
@@ -77,7 +79,30 @@ def _differences(tmp: Path, run: dict[str, Any]) -> str:
         diffs.append(f"the base model ({old.get('base')!r} then, {run['base']!r} now)")
     if old.get("optim") != run["optim"]:
         diffs.append(f"the optimizer ({old.get('optim')!r} then, {run['optim']!r} now)")
+    then, now = old.get("precision") or _ran(a), run.get("precision") or _ran(b)
+    if then != now:
+        diffs.append(f"the precision ({then!r} then, {now!r} now; --precision {then} continues it)")
     return "; ".join(diffs) or "nothing its run.json records"
+
+
+def _normalised(config: Any) -> dict[str, Any]:
+    """A recorded config as :class:`TrainConfig` reads it (resolved), or as it is where it does
+    not validate."""
+    from scpdr.training.config import TrainConfig
+
+    if not isinstance(config, dict):
+        return {}
+    try:
+        return TrainConfig.from_dict(dict(config)).resolved().model_dump(mode="json")
+    except ConfigError:
+        return dict(config)
+
+
+def _ran(config: dict[str, Any]) -> str:
+    """The precision a config trains in where the run recorded none: what it asks for (a run
+    from before ``precision`` existed had ``bf16``: read as fp32 or bf16), ``auto`` as fp32."""
+    asked = config.get("precision", "fp32")
+    return asked if asked in ("fp32", "bf16") else "fp32"
 
 
 def choose_checkpoint(

@@ -1,0 +1,277 @@
+"""A training step of ``scpdr`` against a hand-written HF-Trainer-style step: tokens/s, padding, peak
+memory (both are loops written here; the Trainer itself is not run).
+
+On records of skewed lengths (lognormal, mean ~120 tokens, longest 262: the shape of a user's
+changelog entries, 500 of them, batch 8), measured round-robin in one run (the CPU is shared):
+
+- ``tokens_per_s``: non-pad tokens per second of scpdr's training step — length-grouped batches
+  (:class:`~scpdr.training.sequences.GroupedSampler`'s order) padded per batch
+  (:class:`~scpdr.training.sequences.CausalCollator`), the chunked loss
+  (:class:`~scpdr.training.loss.ChunkedCausalLMLoss` on the model's hidden states) and the
+  precision ``--precision`` resolves to (default ``auto``:
+  :func:`~scpdr.training.precision.resolve_precision`) — divided by that of a plain HF
+  Trainer-style step: batches in random order, padded per batch, the model's own loss, fp32.
+  scpdr's step with the model's own loss instead of the chunked one is timed in the same
+  rounds (``chunked_loss_speedup``: its time / the chunked step's; > 1: chunking is faster;
+  it decides whether ``chunked_loss`` stays the default).
+  Both steps are forward, backward and an AdamW step on the same model, over ``--steps``
+  batches drawn from each side's epoch; the Trainer's own per-step overhead is the same for
+  both and left out. Goal >= 1.0, and >= 1.8 on a CPU with bf16 units (``amx_bf16`` or
+  ``avx512_bf16``).
+- ``padding_share``: pad tokens / all tokens of scpdr's batches over the whole first epoch (the
+  plan's number, :func:`~scpdr.training.plan.fit_to_data`); the random batches' share is
+  reported beside it. Goal <= 0.15.
+- ``peak_rss_gb``: peak resident memory (``ru_maxrss``) of a fresh process that runs two full
+  fine-tuning steps of the 135M model at batch 8 x 256 tokens with scpdr's step (AdamW, so the
+  optimizer state is there); the HF step's is reported beside it, and scpdr's with gradient
+  checkpointing (``--gradient-checkpointing``: activations recomputed in the backward pass, for
+  a machine where the default does not fit). Goal <= 3 GB.
+
+``--tiny`` runs everything on the tiny random model (seconds; for testing the script: its numbers
+say nothing about the 135M model); ``--quick`` times fewer batches and rounds (< 5 min);
+both together (the smoke test) start one peak-RSS process, scpdr's, instead of three.
+
+    python benchmarks/bench_train.py [--quick] [--tiny] [--threads N] [--precision auto|fp32|bf16]
+
+Last stdout line: ``{"bench": "train", "ratios": {"tokens_per_s": ..., "padding_share": ...,
+"peak_rss_gb": ...}, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import cpu_model, emit, interleaved_medians, logger, setup
+
+#: Goals: speed ratio (with bf16 units: the second), padding share, peak RSS in GB.
+GOALS = {"tokens_per_s": 1.0, "tokens_per_s_bf16": 1.8, "padding_share": 0.15, "peak_rss_gb": 3.0}
+#: The skewed lengths: lognormal around this mean, capped (a user's changelog entries).
+MEAN_TOKENS, MAX_TOKENS = 120, 262
+#: The peak-RSS processes: scpdr's step, HF's, scpdr's with gradient checkpointing.
+RSS_KINDS = ("scpdr", "hf", "scpdr-checkpointing")
+_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+
+
+def _model(tiny: bool) -> tuple[Any, int]:
+    """``(model in train mode, EOS id)``: the embedded 135M model, or the tiny random one."""
+    if tiny:
+        from scpdr.testing import tiny_model
+
+        model = tiny_model(0)
+        eos = 2
+    else:
+        from _common import load_embedded_model
+
+        loaded = load_embedded_model()
+        if loaded is None:
+            raise SystemExit("the embedded model is not available; run with --tiny")
+        model, tok = loaded
+        eos = int(tok.eos_token_id)
+    model.config.use_cache = False
+    return model.train(), eos
+
+
+def skewed_rows(n: int, *, vocab: int, eos: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """``n`` training sequences of lognormal lengths (mean ~MEAN_TOKENS, at most MAX_TOKENS),
+    random tokens ending in EOS, unpadded (as ``build_sequences`` makes unpacked records)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        length = min(MAX_TOKENS, max(4, int(rng.lognormvariate(4.65, 0.45))))
+        ids = [rng.randrange(3, vocab) for _ in range(length - 1)] + [eos]
+        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": list(ids)})
+    return rows
+
+
+def _steps(model: Any, precision: Any, *, ours: bool, chunked: bool = True) -> Any:
+    """One training step on a collated batch: scpdr's (chunked loss unless ``chunked`` is
+    false, the precision) or HF's (the model's own loss, fp32). The same AdamW for both (its
+    cost does not depend on the weights' values)."""
+    import contextlib
+
+    import torch
+
+    from scpdr.training.loss import ChunkedCausalLMLoss
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
+    loss_fn = ChunkedCausalLMLoss(
+        model.get_output_embeddings(),
+        vocab_size=int(model.config.vocab_size),
+        autocast="cpu" if precision.bf16 else None,
+    )
+
+    def step(batch: dict[str, Any]) -> None:
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        if ours:
+            ctx = (
+                torch.autocast("cpu", dtype=torch.bfloat16)
+                if precision.bf16
+                else contextlib.nullcontext()
+            )
+            if chunked:
+                with ctx:  # the Trainer's bf16 autocast wraps the forward
+                    out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+                n = int((batch["labels"][:, 1:] != -100).sum())
+                loss = loss_fn(out, batch["labels"], n)
+            else:
+                with ctx:
+                    loss = model(**inputs, labels=batch["labels"]).loss
+        else:
+            loss = model(**inputs, labels=batch["labels"]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
+    """Two training steps at batch 8 x 256 tokens (``scpdr``, ``hf``, or ``scpdr-checkpointing``:
+    scpdr's with gradient checkpointing); prints ``{"maxrss_kb": ...}``."""
+    import torch
+
+    from scpdr.training.precision import resolve_precision
+    from scpdr.training.sequences import CausalCollator
+
+    torch.set_num_threads(threads)
+    model, eos = _model(tiny)
+    ours = kind.startswith("scpdr")
+    if kind == "scpdr-checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    precision = resolve_precision(precision_name if ours else "fp32")
+    rows = skewed_rows(8, vocab=int(model.config.vocab_size), eos=eos, seed=1)
+    for r in rows:  # full length: 256 tokens each
+        r["input_ids"] = (r["input_ids"] * 256)[:256]
+        r["attention_mask"], r["labels"] = [1] * 256, list(r["input_ids"])
+    batch = CausalCollator(pad_token_id=eos)(rows)
+    step = _steps(model, precision, ours=ours)
+    for _ in range(2):
+        step(batch)
+    print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+
+
+def peak_rss_kb(kind: str, *, tiny: bool, precision: str, threads: int) -> int:
+    """``ru_maxrss`` of a fresh ``--child kind`` process, started through a launcher (Linux
+    carries ``ru_maxrss`` over fork + exec: a child of this process would report its peak)."""
+    cmd = [sys.executable, __file__, "--child", kind, "--precision", precision]
+    cmd += ["--threads", str(threads), *(["--tiny"] if tiny else [])]
+    out = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, *cmd], check=True, capture_output=True, text=True
+    ).stdout
+    return int(json.loads(out.strip().splitlines()[-1])["maxrss_kb"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer batches and rounds (< 5 min)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model (tests)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto")
+    ap.add_argument("--records", type=int, default=500, help="records of the epoch")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--steps", type=int, default=None, help="timed batches per side")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds")
+    ap.add_argument("--child", choices=(*RSS_KINDS,), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    threads = setup(threads=args.threads)
+    if args.child:
+        child(args.child, args.tiny, args.precision, threads)
+        return 0
+
+    import torch
+
+    from scpdr.training.precision import bf16_units, cpu_flags, resolve_precision
+    from scpdr.training.sequences import CausalCollator, epoch_order, padding_share
+
+    steps = args.steps or (8 if not args.quick else 2 if args.tiny else 3)
+    repeats = args.repeats or (3 if not args.quick else 1 if args.tiny else 2)
+    precision = resolve_precision(args.precision)
+    units = bf16_units(cpu_flags())
+    logger.info("precision %s", precision.summary)
+
+    model, eos = _model(args.tiny)
+    rows = skewed_rows(args.records, vocab=int(model.config.vocab_size), eos=eos)
+    lengths = [len(r["input_ids"]) for r in rows]
+    orders = {
+        "scpdr": epoch_order(lengths, batch_size=args.batch, seed=0, grouped=True),
+        "hf": epoch_order(lengths, batch_size=args.batch, seed=0, grouped=False),
+    }
+    shares = {k: padding_share(lengths, o, args.batch) for k, o in orders.items()}
+    collate = CausalCollator(pad_token_id=eos)
+    rng = random.Random(0)
+    n_batches = len(rows) // args.batch
+    picked = sorted(rng.sample(range(n_batches), min(steps, n_batches)))
+    batches = {
+        k: [collate([rows[i] for i in o[b * args.batch : (b + 1) * args.batch]]) for b in picked]
+        for k, o in orders.items()
+    }  # the same batch positions of each side's epoch
+    tokens = {k: sum(int(b["attention_mask"].sum()) for b in bs) for k, bs in batches.items()}
+    fns = {}
+    sides = {"hf": ("hf", False), "scpdr": ("scpdr", True), "scpdr-model-loss": ("scpdr", False)}
+    for kind, (data, chunked) in sides.items():
+        step = _steps(model, precision, ours=kind != "hf", chunked=chunked)
+        fns[kind] = lambda step=step, bs=batches[data]: [step(b) for b in bs]
+    logger.info("timing %d batches per side, %d rounds, %d threads", len(picked), repeats, threads)
+    med = interleaved_medians(fns, repeats=repeats, warmup=1)
+    tps = {k: tokens[sides[k][0]] / med[k] for k in med}
+    del model, fns, batches
+    # the smoke test (--tiny --quick) starts one RSS process, scpdr's (the goal's figure)
+    kinds = RSS_KINDS[:1] if args.tiny and args.quick else RSS_KINDS
+    rss = {
+        k: peak_rss_kb(k, tiny=args.tiny, precision=args.precision, threads=threads) for k in kinds
+    }
+    ratios = {
+        "tokens_per_s": round(tps["scpdr"] / tps["hf"], 3),
+        "padding_share": round(shares["scpdr"], 4),
+        "peak_rss_gb": round(rss["scpdr"] / 2**20, 3),
+    }
+    speed_goal = GOALS["tokens_per_s_bf16" if units else "tokens_per_s"]
+    goals = {
+        "tokens_per_s": speed_goal,
+        "padding_share": GOALS["padding_share"],
+        "peak_rss_gb": GOALS["peak_rss_gb"],
+    }
+    met = {
+        "tokens_per_s": ratios["tokens_per_s"] >= speed_goal,
+        "padding_share": ratios["padding_share"] <= GOALS["padding_share"],
+        "peak_rss_gb": ratios["peak_rss_gb"] <= GOALS["peak_rss_gb"],
+    }
+    for k, v in ratios.items():
+        logger.info("%-15s %.3f  (goal %s)", k, v, goals[k])
+    emit(
+        "train",
+        ratios,
+        goals=goals,
+        goals_met=met,
+        tokens_per_s={k: round(v, 1) for k, v in tps.items()},
+        seconds_per_batch={k: round(med[k] / len(picked), 4) for k in med},
+        chunked_loss_speedup=round(med["scpdr-model-loss"] / med["scpdr"], 3),
+        padding_share={k: round(v, 4) for k, v in shares.items()},
+        peak_rss_gb={k: round(v / 2**20, 3) for k, v in rss.items()},
+        precision=precision.to_dict(),
+        bf16_units=list(units),
+        model="tiny" if args.tiny else "SmolLM2-135M",
+        records=args.records,
+        batch=args.batch,
+        timed_batches=len(picked),
+        repeats=repeats,
+        threads=threads,
+        torch=torch.__version__,
+        load_average=os.getloadavg()[0],
+        cpu=cpu_model(),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
