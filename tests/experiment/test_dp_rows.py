@@ -57,6 +57,11 @@ def test_the_dp_rows_get_their_models_and_their_own_bundle():
     swept = _config(sweeps=[{"key": "m", "values": [2], "methods": ["scp-delta-r-b"]}])
     names = {s.name for s in plan(swept)[0] if "[m=2]" in s.label}
     assert not any("dp" in n for n in names)
+    # the DP models' own learning rate replaces the train section's for them only
+    tuned = {s.name: s for s in plan(_config(baselines={"dp": {"learning_rate": 5e-3}}))[0]}
+    assert tuned["train/names2ids/dp-eps8"].inputs["dp"]["learning_rate"] == 5e-3
+    assert "learning_rate" not in by_name["train/names2ids/dp-eps8"].inputs["dp"]
+    assert tuned["train/names2ids/dp-eps8"].key != by_name["train/names2ids/dp-eps8"].key
     with pytest.raises(Exception, match="unknown DP row"):
         _config(baselines={"dp": {"methods": ["goldfish"]}})
 

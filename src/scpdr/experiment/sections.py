@@ -217,7 +217,9 @@ class DPBaselinesConfig(Section):
     deploy instead), and SCP-Δr-b over K constituents each trained with DP on its partition. The
     ``train`` section's settings, with LoRA, one record per sequence and no accumulation (what
     DP needs); ``delta`` and ``max_grad_norm`` are :class:`~scpdr.training.TrainConfig`'s
-    ``dp_delta`` / ``dp_max_grad_norm``."""
+    ``dp_delta`` / ``dp_max_grad_norm``. ``learning_rate`` replaces the ``train`` section's for
+    these models only: DP-SGD's clipped, noised gradients need a larger step than the
+    non-private fine-tuning it is compared with (what DP-LoRA recipes use)."""
 
     methods: list[str] = Field(
         default_factory=lambda: list(M.DP_METHODS),
@@ -225,6 +227,9 @@ class DPBaselinesConfig(Section):
     )
     delta: float | None = TrainConfig.model_fields["dp_delta"]
     max_grad_norm: float = TrainConfig.model_fields["dp_max_grad_norm"]
+    learning_rate: float | None = Field(
+        None, gt=0, description="peak learning rate of the DP models (default: the train section's)"
+    )
 
     @field_validator("methods")
     @classmethod
@@ -243,7 +248,7 @@ class DPBaselinesConfig(Section):
             "lora": True,
             "packing": False,
             "grad_accum": 1,
-        }
+        } | ({} if self.learning_rate is None else {"learning_rate": self.learning_rate})
 
 
 class BaselinesConfig(Section):
