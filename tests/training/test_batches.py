@@ -146,6 +146,22 @@ def test_plan_states_the_padding_of_the_batches_the_trainer_builds(tmp_path, tok
             assert "length-grouped batches" in plan.summary()
 
 
+def _resume_run(*, max_steps: int, save_steps: int) -> dict:
+    """The settings of a short tiny-model run that is interrupted at a checkpoint and resumed:
+    unpacked records (so length-grouped), 4 to a batch, fp32, no warmup."""
+    return dict(
+        max_steps=max_steps,
+        save_steps=save_steps,
+        batch_size=4,
+        seq_len=64,
+        packing=False,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        precision="fp32",
+        progress=False,
+    )
+
+
 def test_grouped_run_interrupted_mid_epoch_resumes_to_the_same_weights(tmp_path, tok):
     from safetensors.torch import load_file
     from transformers import TrainerCallback
@@ -156,17 +172,7 @@ def test_grouped_run_interrupted_mid_epoch_resumes_to_the_same_weights(tmp_path,
     base = (tiny_model(0), tok)
     # 3 batches an epoch, checkpoints every 2 steps: step 4 is inside the second epoch
     cfg = TrainConfig(
-        max_steps=6,
-        save_steps=2,
-        save_total_limit=3,
-        batch_size=4,
-        seq_len=64,
-        packing=False,
-        learning_rate=1e-2,
-        warmup_steps=0,
-        neftune_alpha=5.0,
-        precision="fp32",
-        progress=False,
+        **_resume_run(max_steps=6, save_steps=2), save_total_limit=3, neftune_alpha=5.0
     )
     straight = finetune(records, base=base, config=cfg, out=tmp_path / "straight")
     info = json.loads((straight / TRAIN_INFO).read_text())
@@ -242,17 +248,7 @@ def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok
 
     records = names2ids(n_train=12, n_val=1, seed=0).train
     base = (tiny_model(0), tok)
-    common = dict(
-        max_steps=5,
-        save_steps=3,
-        batch_size=4,
-        seq_len=64,
-        packing=False,
-        learning_rate=1e-2,
-        warmup_steps=0,
-        precision="fp32",
-        progress=False,
-    )
+    common = _resume_run(max_steps=5, save_steps=3)
 
     class Stop(Exception):
         pass

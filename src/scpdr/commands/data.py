@@ -40,7 +40,12 @@ def partition(
         help="Built-in corpus (names2ids, pycode, pydocs), a .jsonl/.csv/.parquet file or a "
         "datasets dir.",
     ),
-    k: int = typer.Option(2, "--k", help="Number of disjoint partitions (= constituents), >= 2."),
+    k: int | None = typer.Option(
+        None,
+        "--k",
+        help="Number of disjoint partitions (= constituents), >= 2 (default 4, or 2 when the "
+        "data has fewer than 80 training records: 20 per partition).",
+    ),
     out: Path = typer.Option(..., "--out", help="Output directory (must not exist)."),
     n_train: int | None = typer.Option(None, "--n-train", help="Training examples (all)."),
     n_val: int | None = typer.Option(
@@ -69,7 +74,8 @@ def partition(
     from scpdr.errors import ConfigError
     from scpdr.training.bundle import check_constituents
 
-    check_constituents(k, fix="use --k 2 or more")  # one partition trains nothing protectable
+    if k is not None:
+        check_constituents(k, fix="use --k 2 or more")  # one partition trains nothing protectable
     if out.exists():  # before the (possibly long) grouping, and naming the CLI's fix
         raise ConfigError(f"--out {out} already exists; choose a new directory or remove it")
     legacy = _parse_fields(field)
@@ -92,9 +98,11 @@ def partition(
         allow_failed_audit=True,  # written either way; the summary says FAILED
     )
     pset = prepared.pset
+    if prepared.k_reason is not None:
+        typer.echo(prepared.k_reason)
     sizes = ", ".join(str(len(p)) for p in pset.parts)
     typer.echo(
-        f"wrote {out}: {pset.manifest.num_records} records in {k} partitions ({sizes}), "
+        f"wrote {out}: {pset.manifest.num_records} records in {pset.k} partitions ({sizes}), "
         f"{pset.manifest.num_groups} near-duplicate groups, {len(pset.validation)} validation"
     )
     typer.echo(prepared.audit.summary())

@@ -35,7 +35,9 @@ def parse_values(text: str | None, option: str, *, allow_inf: bool) -> list[floa
         try:
             value = float(item)
         except ValueError:
-            raise ConfigError(f"{option}: {item!r} is not a number (e.g. {option} 2,5,10)") from None
+            raise ConfigError(
+                f"{option}: {item!r} is not a number (e.g. {option} 2,5,10)"
+            ) from None
         if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
             raise ConfigError(f"{option}: {item!r} must be a finite number >= 0")
         out.append(None if math.isinf(value) else value)

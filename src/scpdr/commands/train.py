@@ -26,8 +26,6 @@ from scpdr.commands.options import (
 )
 from scpdr.device import DEVICE_HELP
 
-_DEFAULT_K = 2
-
 
 def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None) -> None:
     """Print each constituent's training plan (:func:`scpdr.training.fit_to_data`), with the
@@ -68,8 +66,8 @@ def train(
     partitions: int | None = typer.Option(
         None,
         "--partitions",
-        help=f"Number of partitions/constituents, at least 2 (default {_DEFAULT_K}; a partition "
-        "dir DATA sets its own).",
+        help="Number of partitions/constituents, at least 2 (default 4, or 2 when the data has "
+        "fewer than 80 training records: 20 per partition; a partition dir DATA sets its own).",
     ),
     out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
     base: str = typer.Option(
@@ -191,7 +189,7 @@ def train(
 
         source = prepare_partitions(
             data,
-            k=partitions if partitions is not None else _DEFAULT_K,
+            k=partitions,  # None: 4, or 2 for fewer than 80 records (data.default_k)
             seed=seed,
             n_train=n_train,
             n_val=n_val,
@@ -207,6 +205,8 @@ def train(
             override="`--allow-failed-audit`",
         )
         pset = source.pset
+        if source.k_reason is not None:
+            typer.echo(source.k_reason)
         typer.echo(source.audit.summary())
 
     base_ref: str = base

@@ -27,6 +27,7 @@ from scpdr.data.corpora import (
     pydocs,
 )
 from scpdr.data.partition import (
+    DEFAULT_K,
     AuditReport,
     GroupingConfig,
     Overlap,
@@ -34,6 +35,8 @@ from scpdr.data.partition import (
     PartitionSet,
     audit_dir,
     audit_partitions,
+    default_k,
+    default_k_reason,
     group_near_duplicates,
     load_partitions,
     partition_records,
@@ -58,6 +61,7 @@ from scpdr.data.user_data import DEFAULT_VAL_FRACTION, split_validation
 __all__ = [
     "CANARY_PREFIX",
     "CORPORA",
+    "DEFAULT_K",
     "DEFAULT_VAL_FRACTION",
     "AuditReport",
     "Canary",
@@ -82,6 +86,8 @@ __all__ = [
     "build_corpus",
     "canary_text",
     "content_hash",
+    "default_k",
+    "default_k_reason",
     "group_near_duplicates",
     "load_corpus",
     "load_partitions",

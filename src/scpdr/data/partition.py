@@ -42,6 +42,8 @@ from scpdr.data.manifest import (
 from scpdr.data.records import DataError, Record, records_hash
 
 __all__ = [
+    "DEFAULT_K",
+    "MIN_RECORDS_PER_PARTITION",
     "AuditReport",
     "GroupingConfig",
     "Overlap",
@@ -50,12 +52,44 @@ __all__ = [
     "PartitionSet",
     "audit_dir",
     "audit_partitions",
+    "default_k",
+    "default_k_reason",
     "group_near_duplicates",
     "load_partitions",
     "partition_records",
     "save_partitions",
     "shingles",
 ]
+
+
+#: The number of partitions where none is given, and the fewest training records each must get
+#: for it. The K sweep (``configs/ablations/k.yaml``, docs/experiments.md: K = 2, 3, 4, 8 over the
+#: same 96 names) put SCP-Δr-b at chance on every membership test at K = 4 (24 records per
+#: partition) with the utility of K = 2, where K = 2 leaves the Ref test at AUC .81; K = 8 bought
+#: no more. Below 4 × 20 records a partition holds too little to learn from (K = 2 then: the
+#: paper's setting and the only K CP-Fuse fuses).
+DEFAULT_K = 4
+MIN_RECORDS_PER_PARTITION = 20
+
+
+def default_k(n_records: int) -> int:
+    """:data:`DEFAULT_K` when ``n_records`` training records give each partition at least
+    :data:`MIN_RECORDS_PER_PARTITION`, else 2 (the fewest that protect anything)."""
+    return DEFAULT_K if n_records >= DEFAULT_K * MIN_RECORDS_PER_PARTITION else 2
+
+
+def default_k_reason(n_records: int) -> str:
+    """Why :func:`default_k` chose what it did for ``n_records``, for a printed plan."""
+    k = default_k(n_records)
+    if k == DEFAULT_K:
+        return (
+            f"K = {k}, the default ({n_records} training records, at least "
+            f"{MIN_RECORDS_PER_PARTITION} per partition; docs/experiments.md)"
+        )
+    return (
+        f"K = {k}: {n_records} training records are too few for the default K = {DEFAULT_K} "
+        f"(at least {MIN_RECORDS_PER_PARTITION} per partition); --partitions / --k chooses"
+    )
 
 
 def partition_records(

@@ -22,7 +22,7 @@ from scpdr.data.canaries import CanaryConfig, CanaryRegistry, make_canaries
 from scpdr.data.corpora import Corpus, load_corpus
 from scpdr.data.grouping import GroupingConfig
 from scpdr.data.manifest import CONTAMINATED_VALIDATION, PartitionSet, save_partitions
-from scpdr.data.partition import partition_records
+from scpdr.data.partition import default_k, default_k_reason, partition_records
 from scpdr.data.records import DataError, FieldMapping
 from scpdr.data.secrets import SecretsConfig, add_secrets, check_secret_field
 
@@ -36,13 +36,15 @@ LIBRARY_OVERRIDE = "allow_failed_audit=True"
 
 @dataclass(frozen=True)
 class PreparedPartitions:
-    """What :func:`prepare_partitions` made: the partitions, their audit, and where they were
-    saved (``None`` when not saved)."""
+    """What :func:`prepare_partitions` made: the partitions, their audit, where they were
+    saved (``None`` when not saved) and, when K was not given, why the default K
+    (:func:`~scpdr.data.partition.default_k_reason`)."""
 
     pset: PartitionSet
     audit: AuditReport
     overridden: bool
     path: Path | None = None
+    k_reason: str | None = None
 
     def audit_record(self) -> dict[str, Any]:
         """The bundle's ``audit`` field: :meth:`AuditReport.to_dict` plus ``"overridden"``."""
@@ -103,7 +105,7 @@ def audit_for_bundle(
 def prepare_partitions(
     data: str | os.PathLike[str] | Corpus,
     *,
-    k: int,
+    k: int | None = None,
     seed: int = 0,
     n_train: int | None = None,
     n_val: int | None = None,
@@ -125,7 +127,8 @@ def prepare_partitions(
         data: a built-in corpus name (``names2ids``, ``pycode``, ``pydocs``), a user file or
             ``datasets`` directory (:func:`~scpdr.data.corpora.load_corpus`), or a loaded
             :class:`~scpdr.data.corpora.Corpus`.
-        k: number of partitions (= constituents).
+        k: number of partitions (= constituents); ``None``:
+            :func:`~scpdr.data.partition.default_k` of the training records loaded.
         seed: seeds the data (built-in corpora, the validation split), the canaries (when their
             ``seed`` is ``None``) and the assignment of groups to partitions.
         n_train, n_val, val_fraction, fields, split, chat: how a corpus is loaded (see
@@ -194,7 +197,7 @@ def prepare_partitions(
         registry = make_canaries(canaries)
     pset = partition_records(
         train,
-        k=k,
+        k=default_k(len(train)) if k is None else k,
         seed=seed,
         grouping=grouping,
         canaries=registry,
@@ -212,4 +215,10 @@ def prepare_partitions(
     if report.contaminated_validation:  # forced through: the attacks leave them out
         pset.manifest.dataset[CONTAMINATED_VALIDATION] = report.contaminated_validation
     path = save_partitions(out, pset, overwrite=overwrite) if out is not None else None
-    return PreparedPartitions(pset=pset, audit=report, overridden=overridden, path=path)
+    return PreparedPartitions(
+        pset=pset,
+        audit=report,
+        overridden=overridden,
+        path=path,
+        k_reason=default_k_reason(len(train)) if k is None else None,
+    )
