@@ -14,6 +14,9 @@ changelog entries, 500 of them, batch 8), measured round-robin in one run (the C
   scpdr's step with the model's own loss instead of the chunked one is timed in the same
   rounds (``chunked_loss_speedup``: its time / the chunked step's; > 1: chunking is faster;
   it decides whether ``chunked_loss`` stays the default).
+  scpdr's step is timed as ``scpdr train`` runs it on CPU: with gradient checkpointing (the
+  plan's default there, :func:`~scpdr.training.plan.fit_to_data`); the same step without it is
+  timed beside it (``seconds_per_batch["scpdr-no-checkpointing"]``: what checkpointing costs).
   Both steps are forward, backward and an AdamW step on the same model, over ``--steps``
   batches drawn from each side's epoch; the Trainer's own per-step overhead is the same for
   both and left out. Goal >= 1.0, and >= 1.8 on a CPU with bf16 units (``amx_bf16`` or
@@ -22,10 +25,10 @@ changelog entries, 500 of them, batch 8), measured round-robin in one run (the C
   plan's number, :func:`~scpdr.training.plan.fit_to_data`); the random batches' share is
   reported beside it. Goal <= 0.15.
 - ``peak_rss_gb``: peak resident memory (``ru_maxrss``) of a fresh process that runs two full
-  fine-tuning steps of the 135M model at batch 8 x 256 tokens with scpdr's step (AdamW, so the
-  optimizer state is there); the HF step's is reported beside it, and scpdr's with gradient
-  checkpointing (``--gradient-checkpointing``: activations recomputed in the backward pass, for
-  a machine where the default does not fit). Goal <= 3 GB.
+  fine-tuning steps of the 135M model at batch 8 x 256 tokens with scpdr's step as it runs on
+  CPU (AdamW, so the optimizer state is there; gradient checkpointing on); the HF step's is
+  reported beside it, and scpdr's without checkpointing (``--no-gradient-checkpointing``, as on
+  a GPU). Goal <= 3 GB.
 
 ``--tiny`` runs everything on the tiny random model (seconds; for testing the script: its numbers
 say nothing about the 135M model); ``--quick`` times fewer batches and rounds (< 5 min);
@@ -57,8 +60,8 @@ from _common import cpu_model, emit, interleaved_medians, logger, setup
 GOALS = {"tokens_per_s": 1.0, "tokens_per_s_bf16": 1.8, "padding_share": 0.15, "peak_rss_gb": 3.0}
 #: The skewed lengths: lognormal around this mean, capped (a user's changelog entries).
 MEAN_TOKENS, MAX_TOKENS = 120, 262
-#: The peak-RSS processes: scpdr's step, HF's, scpdr's with gradient checkpointing.
-RSS_KINDS = ("scpdr", "hf", "scpdr-checkpointing")
+#: The peak-RSS processes: scpdr's step (as on CPU), HF's, scpdr's without checkpointing.
+RSS_KINDS = ("scpdr", "hf", "scpdr-no-checkpointing")
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
@@ -93,10 +96,20 @@ def skewed_rows(n: int, *, vocab: int, eos: int, seed: int = 0) -> list[dict[str
     return rows
 
 
-def _steps(model: Any, precision: Any, *, ours: bool, chunked: bool = True) -> Any:
+def cpu_checkpointing() -> bool:
+    """Whether ``scpdr train`` checkpoints activations on CPU by default (the plan decides)."""
+    from scpdr.training.plan import fit_to_data
+
+    return fit_to_data({}, [256] * 8, device="cpu")[1].gradient_checkpointing
+
+
+def _steps(
+    model: Any, precision: Any, *, ours: bool, chunked: bool = True, checkpointing: bool = False
+) -> Any:
     """One training step on a collated batch: scpdr's (chunked loss unless ``chunked`` is
-    false, the precision) or HF's (the model's own loss, fp32). The same AdamW for both (its
-    cost does not depend on the weights' values)."""
+    false, the precision, activations checkpointed if ``checkpointing``) or HF's (the model's
+    own loss, fp32, no checkpointing). The same AdamW for both (its cost does not depend on the
+    weights' values); each step sets the model's checkpointing, so sides can share a model."""
     import contextlib
 
     import torch
@@ -111,6 +124,12 @@ def _steps(model: Any, precision: Any, *, ours: bool, chunked: bool = True) -> A
     )
 
     def step(batch: dict[str, Any]) -> None:
+        if checkpointing and ours:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        elif model.is_gradient_checkpointing:
+            model.gradient_checkpointing_disable()
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
         if ours:
             ctx = (
@@ -136,8 +155,8 @@ def _steps(model: Any, precision: Any, *, ours: bool, chunked: bool = True) -> A
 
 
 def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
-    """Two training steps at batch 8 x 256 tokens (``scpdr``, ``hf``, or ``scpdr-checkpointing``:
-    scpdr's with gradient checkpointing); prints ``{"maxrss_kb": ...}``."""
+    """Two training steps at batch 8 x 256 tokens (``scpdr``: as on CPU, ``hf``, or
+    ``scpdr-no-checkpointing``); prints ``{"maxrss_kb": ...}``."""
     import torch
 
     from scpdr.training.precision import resolve_precision
@@ -146,15 +165,14 @@ def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
     torch.set_num_threads(threads)
     model, eos = _model(tiny)
     ours = kind.startswith("scpdr")
-    if kind == "scpdr-checkpointing":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     precision = resolve_precision(precision_name if ours else "fp32")
     rows = skewed_rows(8, vocab=int(model.config.vocab_size), eos=eos, seed=1)
     for r in rows:  # full length: 256 tokens each
         r["input_ids"] = (r["input_ids"] * 256)[:256]
         r["attention_mask"], r["labels"] = [1] * 256, list(r["input_ids"])
     batch = CausalCollator(pad_token_id=eos)(rows)
-    step = _steps(model, precision, ours=ours)
+    checkpointing = kind == "scpdr" and cpu_checkpointing()
+    step = _steps(model, precision, ours=ours, checkpointing=checkpointing)
     for _ in range(2):
         step(batch)
     print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
@@ -217,9 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     }  # the same batch positions of each side's epoch
     tokens = {k: sum(int(b["attention_mask"].sum()) for b in bs) for k, bs in batches.items()}
     fns = {}
-    sides = {"hf": ("hf", False), "scpdr": ("scpdr", True), "scpdr-model-loss": ("scpdr", False)}
-    for kind, (data, chunked) in sides.items():
-        step = _steps(model, precision, ours=kind != "hf", chunked=chunked)
+    ckpt = cpu_checkpointing()
+    sides = {  # (batches, chunked loss, checkpointing)
+        "hf": ("hf", False, False),
+        "scpdr": ("scpdr", True, ckpt),
+        "scpdr-model-loss": ("scpdr", False, ckpt),
+        "scpdr-no-checkpointing": ("scpdr", True, False),
+    }
+    for kind, (data, chunked, checkpointing) in sides.items():
+        step = _steps(
+            model, precision, ours=kind != "hf", chunked=chunked, checkpointing=checkpointing
+        )
         fns[kind] = lambda step=step, bs=batches[data]: [step(b) for b in bs]
     logger.info("timing %d batches per side, %d rounds, %d threads", len(picked), repeats, threads)
     med = interleaved_medians(fns, repeats=repeats, warmup=1)
@@ -256,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_s={k: round(v, 1) for k, v in tps.items()},
         seconds_per_batch={k: round(med[k] / len(picked), 4) for k in med},
         chunked_loss_speedup=round(med["scpdr-model-loss"] / med["scpdr"], 3),
+        checkpointing=ckpt,
+        checkpointing_cost=round(med["scpdr"] / med["scpdr-no-checkpointing"], 3),
         padding_share={k: round(v, 4) for k, v in shares.items()},
         peak_rss_gb={k: round(v / 2**20, 3) for k, v in rss.items()},
         precision=precision.to_dict(),

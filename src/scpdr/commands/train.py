@@ -37,7 +37,7 @@ def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None
     from scpdr.training.precision import resolve_precision
 
     tok = load_tokenizer(base_ref)
-    why = ""
+    why, dev = "", None  # DP runs size their own batches (training/dp.py)
     if not config.dp:
         dev = training_device(device)
         why = main_result(lambda: resolve_precision(config.precision, device=dev)).summary
@@ -45,7 +45,11 @@ def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None
     for i, part in enumerate(pset.parts):
         if part:
             _, plan = fit_to_data(
-                config, example_lengths(part, tok), name=f"constituent-{i}", precision=why
+                config,
+                example_lengths(part, tok),
+                name=f"constituent-{i}",
+                precision=why,
+                device=dev,
             )
             typer.echo(plan.summary())
             if config.dp:  # the privacy of the run: ε, δ, σ, q, steps (training/dp.py)

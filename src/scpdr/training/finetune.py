@@ -181,7 +181,11 @@ def finetune(
         )
         config = raw.model_copy(update={"group_by_length": grouping})
     cfg, plan = fit_to_data(
-        config, example_lengths(records, tok), name=out.name, precision=precision.summary
+        config,
+        example_lengths(records, tok),
+        name=out.name,
+        precision=precision.summary,
+        device=dev,
     )
     if is_main_process():  # the grouping resolved (a resumed run reads it back)
         atomic_write_json(tmp / RUN_INFO, {**run, "grouped": plan.grouped})

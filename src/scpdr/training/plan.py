@@ -13,7 +13,17 @@ the user set and sizes the rest to the data:
   an epoch), instead of the paper's one 2048-token block;
 - **warm-up** (unset): at most 10% of the optimizer steps (the paper's 50 when there are ≥ 500);
 - **length grouping** (``group_by_length`` unset): on for unpacked records, so that each batch,
-  padded to its own longest sequence, holds records of similar length.
+  padded to its own longest sequence, holds records of similar length;
+- **memory** (on the device ``fit_to_data`` is given): gradient checkpointing
+  (``gradient_checkpointing`` unset) on when training on CPU — a laptop runs out of memory long
+  before a GPU does, and the activations are most of a step's memory (135M model, 8 x 256 tokens,
+  bf16, AdamW: peak RSS 4.9 GiB without, 3.3 GiB with, for about a sixth more time per step;
+  ``benchmarks/bench_train.py``) — and a batch wider than
+  ``max_batch_tokens`` (unset: :data:`~scpdr.training.config.CPU_MAX_BATCH_TOKENS` on CPU)
+  split into gradient-accumulation micro-batches: the same records per optimizer step (the
+  loss counts every token of the accumulated batch once: :mod:`scpdr.training.trainer`), at most
+  that many tokens, padding included, in one forward pass. LoRA's paper batch of 64 records of
+  a few hundred tokens would otherwise hold 20k tokens' activations at once.
 
 :class:`TrainPlan` is what the run will do (records, tokens, sequences, steps, epochs, the lr
 schedule, the share of padding in its batches, the precision and why) and
@@ -28,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from scpdr.data.records import Record
-from scpdr.training.config import TrainConfig, make_config
+from scpdr.training.config import CPU_MAX_BATCH_TOKENS, TrainConfig, make_config
 from scpdr.training.sequences import epoch_order, example_order, padding_share
 
 __all__ = [
@@ -79,6 +89,10 @@ class TrainPlan:
     padding_ungrouped: float | None = None
     #: the precision and why (:attr:`~scpdr.training.precision.PrecisionChoice.summary`)
     precision: str = ""
+    #: activations recomputed in the backward pass (``gradient_checkpointing``, resolved)
+    gradient_checkpointing: bool = False
+    #: the most tokens one forward pass holds (``max_batch_tokens``, resolved; None: no limit)
+    max_batch_tokens: int | None = None
 
     def warnings(self) -> list[str]:
         """Why this plan cannot (or can hardly) learn, in words; empty when it can."""
@@ -126,6 +140,11 @@ class TrainPlan:
         ]
         if self.precision:
             lines.append(f"  precision {self.precision}")
+        limit = f"at most {self.max_batch_tokens} tokens" if self.max_batch_tokens else "no limit"
+        lines.append(
+            f"  memory: gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
+            f"{self.batch_size} x {self.seq_len} tokens per forward pass ({limit})"
+        )
         lines += [f"  sized to the data: {c}" for c in self.changes]
         lines += [f"  WARNING: {w}" for w in self.warnings()]
         return "\n".join(lines)
@@ -159,13 +178,16 @@ def fit_to_data(
     *,
     name: str = "",
     precision: str = "",
+    device: str | None = None,
 ) -> tuple[TrainConfig, TrainPlan]:
     """The resolved config a run on examples of these token ``lengths`` uses, and its plan.
 
     Fields the caller set are kept (an explicit ``warmup_steps`` longer than the run is a
     warning, not a change); unset ones are sized as the module docstring says. ``precision``:
     the plan's precision line (:func:`~scpdr.training.precision.resolve_precision`'s
-    ``summary``); the plan has none without it."""
+    ``summary``); the plan has none without it. ``device``: where the run trains (``"cpu"``,
+    ``"cuda:0"``); the memory settings left unset follow it (module docstring), and without it
+    checkpointing is off and batches are not split."""
     raw = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(dict(config or {}))
     given = raw.model_fields_set
     cfg = make_config(raw)
@@ -188,8 +210,33 @@ def fit_to_data(
         if batch != cfg.batch_size:
             update["batch_size"] = batch
             changes.append(f"batch {batch} records per step (unpacked short records)")
+    accum = cfg.grad_accum
+    on_cpu = device == "cpu"
+    checkpointing = on_cpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing
+    if cfg.gradient_checkpointing is None:
+        update["gradient_checkpointing"] = checkpointing
+        if checkpointing:
+            changes.append(
+                "gradient checkpointing on (CPU: activations recomputed in the backward pass, "
+                "two thirds of the peak memory for about a sixth more time per step)"
+            )
+    max_tokens = cfg.max_batch_tokens
+    if max_tokens is None and on_cpu:
+        max_tokens = CPU_MAX_BATCH_TOKENS
+    width = cfg.seq_len if packing else min(cfg.seq_len, longest)  # a batch's padded length
+    if max_tokens and width and batch * width > max_tokens:
+        fit = [d for d in range(1, batch + 1) if batch % d == 0 and d * width <= max_tokens]
+        micro = max(fit, default=1)  # one sequence longer than the limit still goes alone
+        if micro < batch:
+            changes.append(
+                f"batch {batch} in {batch // micro} micro-batches of {micro} (gradient "
+                f"accumulation): {batch} x {width} tokens exceed max_batch_tokens {max_tokens}"
+            )
+            accum *= batch // micro
+            batch = micro
+            update.update(batch_size=batch, grad_accum=accum)
     n_seq = math.ceil(tokens / cfg.seq_len) if packing else n
-    per_epoch, total = _steps(n_seq, batch, cfg.grad_accum, float(cfg.epochs), cfg.max_steps)
+    per_epoch, total = _steps(n_seq, batch, accum, float(cfg.epochs), cfg.max_steps)
     warmup = cfg.warmup_steps
     if "warmup_steps" not in given:
         limit = int(MAX_WARMUP_FRACTION * total)
@@ -211,7 +258,7 @@ def fit_to_data(
         seqs = [min(int(lengths[i]), cfg.seq_len) for i in order]
 
         def share_of(group: bool) -> float:
-            ids = epoch_order(seqs, batch_size=batch * cfg.grad_accum, seed=cfg.seed, grouped=group)
+            ids = epoch_order(seqs, batch_size=batch * accum, seed=cfg.seed, grouped=group)
             return padding_share(seqs, ids, batch)
 
         share, ungrouped = share_of(grouped), share_of(False) if grouped else None
@@ -220,10 +267,10 @@ def fit_to_data(
         tokens=tokens,
         longest=longest,
         sequences=n_seq,
-        seq_len=cfg.seq_len if packing else min(cfg.seq_len, longest),
+        seq_len=width,
         packing=packing,
         batch_size=batch,
-        grad_accum=cfg.grad_accum,
+        grad_accum=accum,
         steps_per_epoch=per_epoch,
         epochs=float(cfg.epochs),
         total_steps=total,
@@ -237,5 +284,7 @@ def fit_to_data(
         padding=share,
         padding_ungrouped=ungrouped,
         precision=precision,
+        gradient_checkpointing=bool(checkpointing),
+        max_batch_tokens=max_tokens,
     )
     return cfg, plan
