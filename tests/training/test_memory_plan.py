@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scpdr.data import names2ids
-from scpdr.training import TrainConfig, finetune, fit_to_data
+from scpdr.training import finetune, fit_to_data
 from scpdr.training.config import CPU_MAX_BATCH_TOKENS
 
 
