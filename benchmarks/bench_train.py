@@ -115,6 +115,7 @@ def _steps(
     import torch
 
     from scpdr.training.loss import ChunkedCausalLMLoss
+    from scpdr.training.memory import trim_heap
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
     loss_fn = ChunkedCausalLMLoss(
@@ -150,6 +151,8 @@ def _steps(
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if ours:  # as scpdr's CPU training does after each step (training/memory.py)
+            trim_heap()
 
     return step
 

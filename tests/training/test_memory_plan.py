@@ -97,3 +97,24 @@ def test_micro_batches_learn_what_the_whole_batch_learns(tmp_path, tiny_bundle, 
     assert any(not torch.equal(a[k], b0[k]) for k in a if k in b0)  # it learned something
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_the_plan_counts_the_optimizer_steps_the_trainer_takes(tmp_path, tiny_bundle, records):
+    """16 records in micro-batches of 2, 3 accumulated: 8 batches an epoch, the last partial
+    accumulation a step too (3 per epoch, not 2)."""
+    from scpdr.training import TRAIN_INFO
+
+    run = dict(
+        batch_size=2,
+        grad_accum=3,
+        epochs=2,
+        seq_len=64,
+        packing=False,
+        warmup_steps=0,
+        precision="fp32",
+        progress=False,
+    )
+    out = finetune(records, base=tiny_bundle / "base", config=run, out=tmp_path / "steps")
+    info = json.loads((out / TRAIN_INFO).read_text())
+    assert info["plan"]["steps_per_epoch"] == 3
+    assert info["global_step"] == info["plan"]["total_steps"] == 6

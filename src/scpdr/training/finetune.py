@@ -37,6 +37,7 @@ from scpdr.errors import ConfigError
 from scpdr.io import atomic_write_json, read_json
 from scpdr.training.config import TrainConfig, make_config
 from scpdr.training.loading import TRAIN_INFO, load_base, untie_lm_head, wrap_lora
+from scpdr.training.memory import heap_trim_callback, trim_heap
 from scpdr.training.placement import (
     full_state_dict,
     is_main_process,
@@ -261,6 +262,8 @@ def finetune(
         callbacks=callbacks,
     )
     trainer.add_callback(_skip_final_checkpoint())
+    if dev == "cpu":  # freed activations back to the system after each step (training/memory.py)
+        trainer.add_callback(heap_trim_callback())
     # the Trainer prints its logs to stdout: a progress bar shows them, or they are logged
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -331,6 +334,9 @@ def finetune(
         os.replace(stage, out)
         shutil.rmtree(tmp, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
+    del trainer, model
+    final_model = gathered = None  # the last references to the model
+    trim_heap(collect=True)  # the next constituent starts without this one's heap
     return out
 
 

@@ -167,7 +167,8 @@ def example_lengths(records: Sequence[Record], tokenizer: Any) -> list[int]:
 def _steps(
     n_sequences: int, batch: int, accum: int, epochs: float, max_steps: int | None
 ) -> tuple[int, int]:
-    per_epoch = max(math.ceil(n_sequences / batch) // accum, 1)
+    # as the Trainer counts them: a last, partial accumulation of an epoch is a step too
+    per_epoch = max(math.ceil(math.ceil(n_sequences / batch) / accum), 1)
     total = max_steps if max_steps else max(math.ceil(per_epoch * epochs), 1)
     return per_epoch, total
 
