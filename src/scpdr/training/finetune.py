@@ -36,8 +36,9 @@ from scpdr.data.records import Record, records_hash
 from scpdr.errors import ConfigError
 from scpdr.io import atomic_write_json, read_json
 from scpdr.training.config import TrainConfig, make_config
+from scpdr.training.dropout import replace_lora_dropout
 from scpdr.training.loading import TRAIN_INFO, load_base, untie_lm_head, wrap_lora
-from scpdr.training.memory import heap_trim_callback, trim_heap
+from scpdr.training.memory import trim_heap
 from scpdr.training.placement import (
     full_state_dict,
     is_main_process,
@@ -213,6 +214,8 @@ def finetune(
 
         set_seed(cfg.seed)  # the adapter's random init (the Trainer seeds only later)
         model = wrap_lora(model, cfg)
+        if dev == "cpu":  # torch's CPU bernoulli_ costs more than the matmuls (dropout.py)
+            replace_lora_dropout(model)
 
     # a checkpoint at least once per epoch: an interrupted run loses at most one epoch
     batches = math.ceil(math.ceil(len(rows) / world_size()) / int(cfg.batch_size))
@@ -262,8 +265,6 @@ def finetune(
         callbacks=callbacks,
     )
     trainer.add_callback(_skip_final_checkpoint())
-    if dev == "cpu":  # freed activations back to the system after each step (training/memory.py)
-        trainer.add_callback(heap_trim_callback())
     # the Trainer prints its logs to stdout: a progress bar shows them, or they are logged
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
