@@ -17,7 +17,8 @@ the user set and sizes the rest to the data:
 - **memory** (on the device ``fit_to_data`` is given): gradient checkpointing
   (``gradient_checkpointing`` unset) on when training on CPU — a laptop runs out of memory long
   before a GPU does, and the activations are most of a step's memory (135M model, 8 x 256 tokens,
-  bf16, AdamW: peak RSS 4.9 GiB without, 3.3 GiB with, for about a sixth more time per step;
+  bf16, AdamW: peak RSS 4.9 GiB without, 3.4 GiB with, for 3% more time per step there and 13%
+  in a 500-record run;
   ``benchmarks/bench_train.py``) — and a batch wider than
   ``max_batch_tokens`` (unset: :data:`~scpdr.training.config.CPU_MAX_BATCH_TOKENS` on CPU)
   split into gradient-accumulation micro-batches: the same records per optimizer step (the
@@ -219,7 +220,7 @@ def fit_to_data(
         if checkpointing:
             changes.append(
                 "gradient checkpointing on (CPU: activations recomputed in the backward pass, "
-                "two thirds of the peak memory for about a sixth more time per step)"
+                "two thirds of the peak memory for 3-13% more time per step)"
             )
     max_tokens = cfg.max_batch_tokens
     if max_tokens is None and on_cpu:
