@@ -17,11 +17,11 @@ from scpdr.training.config import CPU_MAX_BATCH_TOKENS
 def test_cpu_checkpoints_activations_a_gpu_and_the_users_choice_do_not():
     lengths = [120] * 200
     cpu_cfg, cpu = fit_to_data({}, lengths, device="cpu")
-    assert cpu.gradient_checkpointing and cpu_cfg.gradient_checkpointing is True
+    assert cpu.gradient_checkpointing and cpu_cfg.gradient_checkpointing is None  # the plan's
     assert "gradient checkpointing on" in cpu.summary()
     assert any("checkpointing" in c for c in cpu.changes)
     gpu_cfg, gpu = fit_to_data({}, lengths, device="cuda:0")
-    assert not gpu.gradient_checkpointing and gpu_cfg.gradient_checkpointing is False
+    assert not gpu.gradient_checkpointing and gpu_cfg.gradient_checkpointing is None
     assert gpu.max_batch_tokens is None  # no limit on a GPU
     _, kept = fit_to_data({"gradient_checkpointing": False}, lengths, device="cpu")
     assert not kept.gradient_checkpointing and not any("checkpointing" in c for c in kept.changes)

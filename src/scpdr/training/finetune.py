@@ -244,7 +244,7 @@ def finetune(
         report_to="none",
         disable_tqdm=True,  # a rich bar per constituent instead (training/progress.py)
         bf16=precision.bf16,  # autocast bf16, fp32 master weights (training/precision.py)
-        activation_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing=plan.gradient_checkpointing,  # resolved for the device
         use_cpu=dev == "cpu",
         ddp_find_unused_parameters=False,  # every trainable weight is used in the forward
         dataloader_num_workers=0,

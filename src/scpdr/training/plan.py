@@ -215,8 +215,7 @@ def fit_to_data(
     accum = cfg.grad_accum
     on_cpu = device == "cpu"
     checkpointing = on_cpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing
-    if cfg.gradient_checkpointing is None:
-        update["gradient_checkpointing"] = checkpointing
+    if cfg.gradient_checkpointing is None:  # the config keeps "unset"; the plan says what runs
         if checkpointing:
             changes.append(
                 "gradient checkpointing on (CPU: activations recomputed in the backward pass, "
