@@ -19,6 +19,7 @@ model; ``scpdr``'s CPU training does (on a GPU, ``bernoulli_`` is fast and left 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -49,9 +50,7 @@ class WordDropout(nn.Module):
 
     def mask(self, shape: torch.Size, device: torch.device) -> Tensor:
         """A boolean keep-mask of ``shape``: each entry kept with probability ``1 - rate``."""
-        n = 1
-        for s in shape:
-            n *= int(s)
+        n = math.prod(shape)
         info = torch.iinfo(torch.int64)
         words = torch.randint(info.min, info.max, ((n + 3) // 4,), dtype=torch.int64, device=device)
         draws = words.view(torch.int16)[:n].view(shape)  # uniform on [-32768, 32767]
