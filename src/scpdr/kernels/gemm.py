@@ -8,6 +8,13 @@ A weight ``W (n, k)`` of ``y = x·Wᵀ`` is stored as panels of ``width`` output
 deltas of the first L groups — and :func:`lora_linear_reference` computes the same in torch
 ops on the same layout (differentiable: the slow reference of the tests, and the path for
 inputs the kernel does not take).
+
+The base weight's panels are float32, or bfloat16 (``pack_panels(..., dtype=torch.bfloat16)``:
+half the bytes streamed per decoding step; the kernel widens them to float32 exactly in
+registers, and the rows, products and sums stay float32, in the same order, so the result
+equals the float32 kernel's on the bf16-rounded weight bit for bit). A bf16 panel pairs the
+weights of two consecutive inputs of each column: ``(ceil(k / 2), width, 2)``, the last pair
+zero-padded for an odd k. The LoRA matrices stay float32.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from scpdr.kernels import build
 
 __all__ = [
     "NAME",
+    "PANEL_DTYPES",
     "GemmLibrary",
     "library",
     "lora_linear",
     "lora_linear_reference",
     "pack_panels",
+    "panels_in_features",
     "unpack_panels",
 ]
 
@@ -61,6 +70,9 @@ def _configure(lib: ctypes.CDLL) -> str:
     # g, rows, n, k, x, packed w, l, r, packed a, packed b, tmp, y, threads
     lora.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64]
     lora.restype = None
+    for fn, args in ((lib.scpdr_gemm_packed_bf16w, gemm.argtypes),
+                     (lib.scpdr_lora_linear_bf16w, lora.argtypes)):  # fmt: skip
+        fn.argtypes, fn.restype = args, None
     for fn in (lib.scpdr_panel_width, lib.scpdr_tile_rows):
         fn.argtypes, fn.restype = [], _I64
     lib.scpdr_gemm_isa.argtypes, lib.scpdr_gemm_isa.restype = [], ctypes.c_char_p
@@ -91,14 +103,31 @@ def library(target: str | None = None) -> GemmLibrary | None:
     return found
 
 
-def pack_panels(w: Tensor, width: int, *, out: Tensor | None = None) -> Tensor:
+#: The dtypes a packed base weight may have.
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_panels(
+    w: Tensor, width: int, *, out: Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """``W (n, k)`` of ``y = x·Wᵀ`` laid out for the packed kernel: float32 panels
     ``(ceil(n / width), k, width)``, panel p holding ``W[p·width : (p + 1)·width]ᵀ`` (columns
     past n are zero, which adds exact zeros). Written without an intermediate padded copy,
     into ``out`` when given (zero-filled, at least that many panels; the panels past n are
-    left)."""
+    left). With ``dtype=torch.bfloat16`` (the base weight only; not with ``out``): W rounded to
+    bf16 (to nearest even), each panel ``(ceil(k / 2), width, 2)`` (inputs 2i and 2i + 1 of a
+    column side by side; a zero pads an odd k)."""
+    if dtype not in PANEL_DTYPES:
+        raise ValueError(f"packed panels are float32 or bfloat16, not {dtype}")
     n, k = w.shape
     full, rest = divmod(n, width)
+    if dtype == torch.bfloat16:
+        if out is not None:
+            raise ValueError("bf16 panels are made whole (no out=)")
+        f32 = pack_panels(w, width)  # (p, k, width)
+        pad = torch.zeros(f32.shape[0], k + (k % 2), width, dtype=torch.bfloat16)
+        pad[:, :k].copy_(f32)
+        return pad.view(f32.shape[0], (k + 1) // 2, 2, width).transpose(2, 3).contiguous()
     if out is None:
         out = torch.zeros(full + (rest > 0), k, width, dtype=torch.float32)
     w = w.detach()
@@ -109,10 +138,21 @@ def pack_panels(w: Tensor, width: int, *, out: Tensor | None = None) -> Tensor:
     return out
 
 
-def unpack_panels(packed: Tensor, n: int) -> Tensor:
-    """The inverse of :func:`pack_panels`: ``W (n, k)`` (a copy)."""
-    p, k, width = packed.shape
-    return packed.transpose(1, 2).reshape(p * width, k)[:n]
+def unpack_panels(packed: Tensor, n: int, k: int | None = None) -> Tensor:
+    """The inverse of :func:`pack_panels`: ``W (n, k)`` (a copy, in the panels' dtype). For
+    bf16 panels (4 dimensions) ``k`` is needed when it may be odd (default: even)."""
+    if packed.dim() == 4:  # bf16: (p, ceil(k / 2), width, 2)
+        p, half, width, _ = packed.shape
+        packed = packed.transpose(2, 3).reshape(p, 2 * half, width)
+        if k is not None:
+            packed = packed[:, :k]
+    p, k2, width = packed.shape
+    return packed.transpose(1, 2).reshape(p * width, k2)[:n]
+
+
+def panels_in_features(packed: Tensor) -> int:
+    """The ``k`` a float32 panel stack was packed with (bf16 ones: ``2 · ceil(k / 2)``)."""
+    return packed.shape[1] * (2 if packed.dim() == 4 else 1)
 
 
 def lora_linear(
@@ -133,7 +173,8 @@ def lora_linear(
     holds G groups of R rows; ``y = x·Wᵀ`` ``(G·R, n)`` for all rows with ``weight`` =
     :func:`pack_panels` of W, then for the first ``lora`` groups ``y_j += (x_j·A_{first+j}ᵀ)·
     (s·B_{first+j})ᵀ`` with ``lora_a`` ``(L, ceil(r / w), k, w)`` (A) and ``lora_b`` ``(L,
-    ceil(n / w), r, w)`` (s·B) packed. Split over ``threads`` (default torch's) threads."""
+    ceil(n / w), r, w)`` (s·B) packed. ``weight`` may be float32 or bf16 panels (the LoRA
+    matrices are float32). Split over ``threads`` (default torch's) threads."""
     rows, k = x.shape
     per = rows // groups
     y = torch.empty(rows, n, dtype=torch.float32)
@@ -143,7 +184,8 @@ def lora_linear(
         assert lora_a is not None and lora_b is not None
         tmp = torch.empty(lora, per, lora_a.shape[1] * lora_a.shape[-1], dtype=torch.float32)
         a_ptr, b_ptr, tmp_ptr = lora_a[first].data_ptr(), lora_b[first].data_ptr(), tmp.data_ptr()
-    gemm.lib.cdll.scpdr_lora_linear_f32(
+    fn = gemm.lib.cdll.scpdr_lora_linear_bf16w if weight.dtype == torch.bfloat16 else None
+    (fn or gemm.lib.cdll.scpdr_lora_linear_f32)(
         groups, per, n, k, x.data_ptr(), weight.data_ptr(), lora, rank, a_ptr, b_ptr, tmp_ptr,
         y.data_ptr(), torch.get_num_threads() if threads is None else threads,
     )  # fmt: skip
@@ -163,9 +205,10 @@ def lora_linear_reference(
     rank: int = 0,
 ) -> Tensor:
     """:func:`lora_linear` in torch ops on the same packed layout (any dtype and device,
-    differentiable): ``x·Wᵀ``, then the deltas of the first ``lora`` groups."""
+    differentiable): ``x·Wᵀ``, then the deltas of the first ``lora`` groups. bf16 panels are
+    widened to ``x``'s dtype (exactly, for float32)."""
     k = x.shape[-1]
-    y = x @ unpack_panels(weight, n).t()
+    y = x @ unpack_panels(weight, n, k).to(x.dtype).t()
     if not lora:
         return y
     assert lora_a is not None and lora_b is not None

@@ -69,6 +69,13 @@
 #undef NV
 #define NV SCPDR_TILE_NV
 #endif
+#ifndef MR_BF16 /* the tile's rows with bf16 weights (their widening needs registers too) */
+#if MR > 3 && VBYTES == 32
+#define MR_BF16 3
+#else
+#define MR_BF16 MR
+#endif
+#endif
 #define LANES (VBYTES / 4)
 #define NR (NV * LANES)
 #define X_CHUNK_BYTES (192 * 1024)
@@ -81,21 +88,59 @@ const char *scpdr_gemm_isa(void) { return ISA_NAME; }
 int64_t scpdr_panel_width(void) { return NR; }
 int64_t scpdr_tile_rows(void) { return MR; }
 
+/* Weights are float32, or bfloat16 (the upper 16 bits of a float32; the rows, the products and
+   the sums stay float32). A bf16 panel pairs the weights of two consecutive inputs k, k + 1 of
+   each column in one 32-bit word (layout (ceil(K / 2), NR, 2), the last pair zero-padded for an
+   odd K), so that one vector load yields two float32 weight vectors exactly, by a shift (input
+   k: the low half) and two (input k + 1: the high half; no mask constant, which would take a
+   register) — no cross-lane conversion; the
+   weight stream is half the float32 one. `bf16` is a compile-time constant in every call of
+   tile() (inlined per case), so each variant's loop has no branch. */
+typedef uint32_t vu __attribute__((vector_size(VBYTES), aligned(4)));
+
 /* y[0:mr, 0:nvalid] (+)= x[0:mr, 0:k] · panel (k, NR) */
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, const float *x,
-                                                       int64_t ldx, const float *panel, float *y,
+                                                       int64_t ldx, const void *panel, float *y,
                                                        int64_t ldy, int64_t nvalid,
-                                                       int accumulate) {
+                                                       int accumulate, const int bf16) {
     vf c[MR][NV];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NV; j++) c[i][j] = (vf){0};
-    for (int64_t kk = 0; kk < k; kk++) {
-        const vf *w = (const vf *)(panel + kk * NR);
-        vf wv[NV];
-        for (int j = 0; j < NV; j++) wv[j] = w[j];
-        for (int i = 0; i < mr; i++) {
-            const float s = x[i * ldx + kk];
-            for (int j = 0; j < NV; j++) c[i][j] += wv[j] * s;
+    if (bf16) {
+        const vu *w = (const vu *)panel;
+        int64_t kk = 0;
+        for (; kk + 1 < k; kk += 2, w += NV) {
+            /* input k, then input k + 1 from the same words (re-read from L1): NV weight
+               registers at a time, as in the float32 loop (AVX2 has 16 in all) */
+            vf wv[NV];
+            for (int j = 0; j < NV; j++) wv[j] = (vf)(w[j] << 16);
+            for (int i = 0; i < mr; i++) {
+                const float s = x[i * ldx + kk];
+                for (int j = 0; j < NV; j++) c[i][j] += wv[j] * s;
+            }
+            for (int j = 0; j < NV; j++) wv[j] = (vf)((w[j] >> 16) << 16);
+            for (int i = 0; i < mr; i++) {
+                const float s = x[i * ldx + kk + 1];
+                for (int j = 0; j < NV; j++) c[i][j] += wv[j] * s;
+            }
+        }
+        if (kk < k) { /* odd K: the last input, whose pair is padding */
+            vf w0[NV];
+            for (int j = 0; j < NV; j++) w0[j] = (vf)(w[j] << 16);
+            for (int i = 0; i < mr; i++) {
+                const float s0 = x[i * ldx + kk];
+                for (int j = 0; j < NV; j++) c[i][j] += w0[j] * s0;
+            }
+        }
+    } else {
+        for (int64_t kk = 0; kk < k; kk++) {
+            const vf *w = (const vf *)((const float *)panel + kk * NR);
+            vf wv[NV];
+            for (int j = 0; j < NV; j++) wv[j] = w[j];
+            for (int i = 0; i < mr; i++) {
+                const float s = x[i * ldx + kk];
+                for (int j = 0; j < NV; j++) c[i][j] += wv[j] * s;
+            }
         }
     }
     for (int i = 0; i < mr; i++) {
@@ -113,10 +158,15 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
     }
 }
 
-static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const float *panel,
-                      float *y, int64_t ldy, int64_t nvalid, int accumulate) {
+static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const void *panel,
+                      float *y, int64_t ldy, int64_t nvalid, int accumulate, int bf16) {
 #define TILE(R)                                                                                \
-    case R: tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate); break;
+    case R:                                                                                    \
+        if (bf16)                                                                              \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 1);                          \
+        else                                                                                   \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0);                          \
+        break;
     switch (mr) { /* a constant row count per case: the accumulators stay in registers */
 #if MR >= 12
         TILE(12)
@@ -160,30 +210,34 @@ static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const 
 }
 
 /* Panels [p0, p1) of y (m, n; row stride ldy) = x (m, k; row stride ldx) · Wᵀ, or += with
-   accumulate != 0, where w is W (n, k) packed as (ceil(n / NR), k, NR). */
+   accumulate != 0, where w is W (n, k) packed as (ceil(n / NR), k, NR), float32 elements or
+   bfloat16 ones (bf16 != 0). */
 static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                        const float *w, float *y, int64_t ldy, int accumulate, int64_t p0,
-                        int64_t p1) {
+                        const void *w, float *y, int64_t ldy, int accumulate, int64_t p0,
+                        int64_t p1, int bf16) {
     if (k <= 0) { /* an empty sum (rank 0): y = 0, or unchanged when accumulating */
         if (!accumulate)
             for (int64_t i = 0; i < m; i++)
                 for (int64_t c = p0 * NR; c < n && c < p1 * NR; c++) y[i * ldy + c] = 0.0f;
         return;
     }
-    int64_t chunk = X_CHUNK_BYTES / (k * (int64_t)sizeof(float)) / MR * MR;
-    if (chunk < MR) chunk = MR;
+    /* bytes of a panel: k x NR floats, or ceil(k / 2) x NR pairs of bf16 */
+    const int64_t panel_bytes = bf16 ? (k + 1) / 2 * NR * 4 : k * NR * 4;
+    const int64_t tr = bf16 ? MR_BF16 : MR; /* rows per tile */
+    int64_t chunk = X_CHUNK_BYTES / (k * (int64_t)sizeof(float)) / tr * tr;
+    if (chunk < tr) chunk = tr;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
         for (int64_t p = p0; p < p1; p++) {
-            const float *panel = w + p * k * NR;
+            const void *panel = (const char *)w + p * panel_bytes;
             const int64_t nvalid = n - p * NR < NR ? n - p * NR : NR;
             /* ceil(mc / MR) tiles of balanced heights (8 rows: 4 + 4, not 6 + 2: a short tile
                has too few independent accumulators to hide the FMA latency) */
-            const int64_t tiles = (mc + MR - 1) / MR;
+            const int64_t tiles = (mc + tr - 1) / tr;
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t i = mc * t / tiles, mr = mc * (t + 1) / tiles - i;
                 tile_rows(mr, k, x + (m0 + i) * ldx, ldx, panel, y + (m0 + i) * ldy + p * NR,
-                          ldy, nvalid, accumulate);
+                          ldy, nvalid, accumulate, bf16);
             }
         }
     }
@@ -209,16 +263,29 @@ static int parallel_worth(int64_t threads, int64_t m, int64_t n, int64_t k) {
 /* y (m, n; row stride ldy) = x (m, k; row stride ldx) · Wᵀ, or += with accumulate != 0, where
    w is W (n, k) packed as (ceil(n / NR), k, NR); the panels split over `threads` threads (the
    OpenMP runtime torch uses, when built with it). */
-void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                           const float *w, float *y, int64_t ldy, int accumulate,
-                           int64_t threads) {
+static void gemm_packed(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                        const void *w, float *y, int64_t ldy, int accumulate, int64_t threads,
+                        int bf16) {
     const int64_t panels = (n + NR - 1) / NR;
 #pragma omp parallel num_threads((int)threads) if (parallel_worth(threads, m, n, k))
     {
         int64_t p0, p1;
         share(panels, &p0, &p1);
-        gemm_panels(m, n, k, x, ldx, w, y, ldy, accumulate, p0, p1);
+        gemm_panels(m, n, k, x, ldx, w, y, ldy, accumulate, p0, p1, bf16);
     }
+}
+
+void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                           const float *w, float *y, int64_t ldy, int accumulate,
+                           int64_t threads) {
+    gemm_packed(m, n, k, x, ldx, w, y, ldy, accumulate, threads, 0);
+}
+
+/* The same with W's panels in bfloat16 (uint16 bit patterns). */
+void scpdr_gemm_packed_bf16w(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                             const uint16_t *w, float *y, int64_t ldy, int accumulate,
+                             int64_t threads) {
+    gemm_packed(m, n, k, x, ldx, w, y, ldy, accumulate, threads, 1);
 }
 
 /* The stacked LoRA linear of scpdr.lora.StackedLoraLinear: x holds g groups of `rows` rows
@@ -226,10 +293,10 @@ void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int6
    with a = A_iᵀ of rank r packed as (l, ceil(r / NR), k, NR) and b = s_i·B_i packed as
    (l, ceil(n / NR), r, NR); tmp has room for l x rows x ceil(r / NR)·NR floats. One parallel
    region: the base panels and the l products x_i·A_iᵀ, a barrier, then the panels of the
-   deltas added to y. */
-void scpdr_lora_linear_f32(int64_t g, int64_t rows, int64_t n, int64_t k, const float *x,
-                           const float *w, int64_t l, int64_t r, const float *a, const float *b,
-                           float *tmp, float *y, int64_t threads) {
+   deltas added to y. W's panels are float32 or (bf16 != 0) bfloat16; a and b are float32. */
+static void lora_linear(int64_t g, int64_t rows, int64_t n, int64_t k, const float *x,
+                        const void *w, int64_t l, int64_t r, const float *a, const float *b,
+                        float *tmp, float *y, int64_t threads, int bf16) {
     const int64_t rp = (r + NR - 1) / NR * NR;
     const int64_t np = (n + NR - 1) / NR * NR;
     const int64_t panels = np / NR;
@@ -238,15 +305,28 @@ void scpdr_lora_linear_f32(int64_t g, int64_t rows, int64_t n, int64_t k, const 
     {
         int64_t p0, p1;
         share(panels, &p0, &p1);
-        gemm_panels(g * rows, n, k, x, k, w, y, n, 0, p0, p1);
+        gemm_panels(g * rows, n, k, x, k, w, y, n, 0, p0, p1, bf16);
         int64_t i0, i1;
         share(l, &i0, &i1);
         for (int64_t i = i0; i < i1; i++)
             gemm_panels(rows, rp, k, x + i * rows * k, k, a + i * rp * k, tmp + i * rows * rp, rp,
-                        0, 0, rp / NR);
+                        0, 0, rp / NR, 0);
 #pragma omp barrier
         for (int64_t i = 0; i < l; i++)
             gemm_panels(rows, n, r, tmp + i * rows * rp, rp, b + i * np * r, y + i * rows * n, n,
-                        1, p0, p1);
+                        1, p0, p1, 0);
     }
+}
+
+void scpdr_lora_linear_f32(int64_t g, int64_t rows, int64_t n, int64_t k, const float *x,
+                           const float *w, int64_t l, int64_t r, const float *a, const float *b,
+                           float *tmp, float *y, int64_t threads) {
+    lora_linear(g, rows, n, k, x, w, l, r, a, b, tmp, y, threads, 0);
+}
+
+/* The same with W's panels in bfloat16 (uint16 bit patterns). */
+void scpdr_lora_linear_bf16w(int64_t g, int64_t rows, int64_t n, int64_t k, const float *x,
+                             const uint16_t *w, int64_t l, int64_t r, const float *a,
+                             const float *b, float *tmp, float *y, int64_t threads) {
+    lora_linear(g, rows, n, k, x, w, l, r, a, b, tmp, y, threads, 1);
 }
