@@ -17,6 +17,11 @@ stacked batch. Measured round-robin in one run (the CPU is shared):
   kernels (the stack's base group, a plain greedy loop): what the shared-base batching costs
   once both sides use the faster matmuls (the main ratios compare with the unprotected model as
   users run it, HF ``generate`` with torch's matmuls);
+- ``bf16_weights``: the same fast path with the base's weights kept in bf16 on the packed
+  kernel (``ProtectedLM.from_bundle(dtype=torch.bfloat16)``, ``scpdr serve --precision bf16``;
+  the served model is then the bf16-rounded one): its ratio to HF generate, and ``speedup``:
+  the float32-weight fast path's step time over its own, per build and batch size
+  (``--no-bf16`` skips it); not a goal;
 - peak resident memory (``ru_maxrss``) of a process that loads the fast-path protected model and
   decodes, divided by that of a process that loads one model and decodes (fresh subprocesses).
 
@@ -56,6 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_model, default_targets, emit, interleaved_medians, setup
 
 logger = logging.getLogger("scpdr.benchmarks.lora")
+
+#: The fast path with the base's weights in bf16 (``from_bundle(dtype=torch.bfloat16)``).
+BF16 = "scp-delta-r-b-bf16w"
+
 
 GOALS = {"scp-delta-r-b@B1": 0.75, "scp-delta-r-b@B8": 0.75, "memory": 1.25}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -193,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=64, help="LoRA rank (paper: 64)")
     ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (paper: 32)")
     ap.add_argument("--no-general", action="store_true", help="skip timing the general path")
+    ap.add_argument(
+        "--no-bf16", action="store_true", help="skip timing the fast path with bf16 weights"
+    )
     ap.add_argument("--only", choices=["speed", "memory"], help="run one part only")
     ap.add_argument("--memory-rounds", type=int, default=None, help="subprocess pairs (median)")
     ap.add_argument(
@@ -244,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         stack = fast.runner  # the shared-base runner (scpdr.lora.StackedLoRA)
         lms[f"scp-delta-r-b{suffix}"] = (target, fast)
+        if not args.no_bf16:  # the base's weights in bf16 on the same kernel (--precision bf16)
+            with kernels.using_target(target):
+                lms[f"{BF16}{suffix}"] = (
+                    target,
+                    ProtectedLM.from_bundle(bundle, dtype=torch.bfloat16),
+                )
         # one model through the same packed kernels as the fast path: the stack's base group
         if any(getattr(mod, "weight_packed", None) is not None for mod in stack.model.modules()):
             packed_views[f"single-packed{suffix}"] = (target, stack.views[-1])
@@ -257,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     end_to_end: dict[str, float] = {}
     ceilings: dict[str, float] = {}
     same_kernels: dict[str, float] = {}
+    bf16w: dict[str, float] = {}
     for b in [] if args.only == "memory" else args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
         enc = tok(prompts, return_tensors="pt", padding=True)
@@ -305,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                 fast_name = "scp-delta-r-b" + name[len("single-packed") :]
                 same_kernels[f"{fast_name}@B{b}"] = round(sec / step[fast_name], 3)
                 continue
-            if name.startswith("scp-delta-r-b"):
+            if name.startswith(BF16):  # against HF generate, and against the fp32 weights
+                fp32 = "scp-delta-r-b" + name[len(BF16) :]
+                bf16w[f"{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
+                bf16w[f"speedup{name[len(BF16) :]}@B{b}"] = round(step[fp32] / sec, 3)
+            elif name.startswith("scp-delta-r-b"):
                 ratios[f"{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
             else:
                 ms[f"ratio:{name}@B{b}"] = round(step["hf-generate"] / sec, 3)
@@ -344,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         end_to_end_ratios=end_to_end,
         stacked_rows_ceiling=ceilings,
         same_kernel_ratios=same_kernels,
+        bf16_weights=bf16w,
         isa=isa,
         peak_rss_mib={k: round(v / 1024, 1) for k, v in mem.items()},
         vmhwm_mib={k: round(v / 1024, 1) for k, v in hwm.items()},

@@ -26,6 +26,7 @@ def serve(
     m: int | None = _option("m"),
     base: str = _option("base"),
     device: str | None = _option("device"),
+    precision: str = _option("precision"),
     unprotected: bool = _option("unprotected"),
     host: str = _option("host"),
     port: int = _option("port"),

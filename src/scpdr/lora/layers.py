@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from scpdr import kernels
 from scpdr.kernels.gemm import (
+    PANEL_DTYPES,
     GemmLibrary,
     lora_linear,
     lora_linear_reference,
@@ -141,6 +142,11 @@ class PackedEmbedding(nn.Module):
                     f"token ids must be in [0, {self.num_embeddings}), got {int(lo)}..{int(hi)}"
                 )
         packed = self._head.weight_packed
+        if packed.dim() == 4:  # bf16 panels (p, ceil(k / 2), width, 2): widened exactly
+            width = packed.shape[2]
+            rows = packed[input_ids // width, :, input_ids % width]  # (..., ceil(k / 2), 2)
+            rows = rows.reshape(*input_ids.shape, -1)[..., : self.embedding_dim]
+            return rows.to(torch.float32)
         width = packed.shape[-1]
         return packed[input_ids // width, :, input_ids % width]
 
@@ -167,6 +173,9 @@ class StackedLoraLinear(nn.Module):
     are None (L = 0) for a linear no adapter targets (wrapped for the stacked base matmul only).
     None of the buffers is persistent. ``source``: the weight read from the checkpoint, used for
     the re-laid-out copy so that the model's own (memory-mapped) one is never paged in.
+    ``weight_dtype``: ``torch.bfloat16`` packs the base weight in bf16 panels (the kernel
+    widens them exactly and computes in float32: the layer is then the bf16-rounded weight's,
+    half the bytes per step); only with ``gemm``.
     """
 
     def __init__(
@@ -179,6 +188,7 @@ class StackedLoraLinear(nn.Module):
         source: Tensor | None = None,
         gemm: GemmLibrary | None = None,
         lora_packed: bool = False,
+        weight_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self._in, self._out = base_layer.in_features, base_layer.out_features
@@ -186,6 +196,10 @@ class StackedLoraLinear(nn.Module):
         packs = gemm is not None and packable(w)
         if lora_packed and not packs:
             raise ValueError("packed LoRA matrices need the packed kernel and a float32 CPU layer")
+        if weight_dtype != torch.float32 and not packs:
+            raise ValueError(
+                f"{weight_dtype} weights need the packed kernel and a float32 CPU layer"
+            )
         # only the build's target, not the library: a module holding a ctypes handle could not
         # be copied or pickled (the library is looked up at each call, a dict lookup)
         self.kernel_target = gemm.lib.target if packs and gemm is not None else None
@@ -197,7 +211,7 @@ class StackedLoraLinear(nn.Module):
         packed = chunks = None
         if packs and gemm is not None:  # panels for kernels/packed_gemm.c, built once
             width = gemm.panel_width
-            packed = pack_panels(src, width)
+            packed = pack_panels(src, width, dtype=weight_dtype)
             if a is not None and not lora_packed:  # a (L, in, r) = A_gᵀ, b (L, r, out) = s·B_gᵀ
                 a = torch.stack([pack_panels(t.t(), width) for t in a])
                 b = torch.stack([pack_panels(t.t(), width) for t in b])
@@ -223,8 +237,8 @@ class StackedLoraLinear(nn.Module):
         copy for a re-laid-out weight)."""
         if self.base_layer is not None:
             return self.base_layer.weight
-        if self.weight_packed is not None:
-            return unpack_panels(self.weight_packed, self._out)
+        if self.weight_packed is not None:  # bf16 panels: widened (exactly)
+            return unpack_panels(self.weight_packed, self._out, self._in).to(torch.float32)
         return self.weight_chunks.permute(1, 0, 2).reshape(self._out, self._in)
 
     @property
@@ -293,7 +307,8 @@ class StackedLoraLinear(nn.Module):
             raise ValueError("reference_forward is the reference of a packed layer")
         w = self.weight_packed
         x2, kw = self._packed_args(x)
-        y = lora_linear_reference(x2.to(w.device, w.dtype), w, self._out, **kw)
+        dtype = torch.float32 if w.dtype == torch.bfloat16 else w.dtype  # bf16 panels: widened
+        y = lora_linear_reference(x2.to(w.device, dtype), w, self._out, **kw)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.device, x.dtype).view(*x.shape[:-1], self._out)
@@ -309,7 +324,7 @@ class StackedLoraLinear(nn.Module):
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or w.device.type != "cpu"
-            or w.dtype != torch.float32
+            or w.dtype not in PANEL_DTYPES
         ):
             return self.reference_forward(x)
         x2, kw = self._packed_args(x)
@@ -337,7 +352,10 @@ class StackedLoraLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        kernel = f"packed ({self.kernel_target})" if self.weight_packed is not None else "torch"
+        w = self.weight_packed
+        kernel = "torch" if w is None else f"packed ({self.kernel_target})"
+        if w is not None and w.dtype == torch.bfloat16:
+            kernel += ", bf16 weights"
         return f"groups_with_lora={self.num_lora}, rank={self.rank}, kernel={kernel}"
 
 

@@ -93,7 +93,9 @@ def fast_path_from_bundle(
 
     Groups, in the runtime's run order: the constituents (all for every method but "none"),
     then the bundle's base when the method is an SCP rule with ``base="model"`` (variant 'b').
-    Each group must be a LoRA adapter over one common base or that base itself.
+    Each group must be a LoRA adapter over one common base or that base itself. ``dtype``
+    ``torch.bfloat16`` on CPU keeps the base's linears in bf16 on the packed kernel, which
+    computes in float32 (``StackedLoRA(weight_dtype=...)``).
     """
     from scpdr import methods
     from scpdr.models import load_model, ref_kind
@@ -136,12 +138,20 @@ def fast_path_from_bundle(
     for ref, name, a in zip(refs, names, adapters, strict=True):
         if a is None and _canonical(ref) != common:
             return off(f"{name} ({ref}) is a full model, not a LoRA adapter over {common}")
-    model = load_model(common, dtype=dtype)
+    # bf16 on CPU: the base loads in float32 and its linears keep bf16 weights that the packed
+    # kernel widens (computing in float32); elsewhere the model loads in ``dtype``
+    cpu = device is None or torch.device(device).type == "cpu"
+    bf16_panels = cpu and dtype == torch.bfloat16
+    model = load_model(common, dtype=None if bf16_panels else dtype)
     if device is not None:
         model = model.to(device)
     source = checkpoint_weight_source(common) if Path(common).is_dir() else None
+    weight_dtype = torch.bfloat16 if bf16_panels else torch.float32
     try:
-        stack = StackedLoRA(model, adapters, names, weight_source=source, release_adapters=True)
+        stack = StackedLoRA(
+            model, adapters, names, weight_source=source, release_adapters=True,
+            weight_dtype=weight_dtype,
+        )  # fmt: skip
     except UnsupportedAdapterError as exc:
         return off(str(exc))
     why = (

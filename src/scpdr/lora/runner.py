@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ from scpdr.lora.layers import (
     packable,
     source_weight,
 )
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel
@@ -119,6 +122,11 @@ class StackedLoRA:
             copied into the stack, before the base weights are re-laid out (peak memory then
             holds one copy of the adapters instead of two). :func:`stacked_from_bundle` does, for
             the adapters it read.
+        weight_dtype: ``torch.bfloat16`` keeps the base weights in bf16 (the model is then the
+            bf16-rounded base's; the adapters stay float32): on the packed kernel, in bf16
+            panels it widens exactly, computing in float32 (half the bytes streamed per
+            decoding step); where the kernel is not used, the model is cast to bf16 and runs
+            torch's bf16 matmuls (as a bf16-loaded model would). Default float32.
     """
 
     def __init__(
@@ -130,7 +138,12 @@ class StackedLoRA:
         weight_source: Callable[[str], Tensor | None] | None = None,
         use_kernel: bool = True,
         release_adapters: bool = False,
+        weight_dtype: torch.dtype = torch.float32,
     ) -> None:
+        if weight_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"weight_dtype must be torch.float32 or torch.bfloat16, not {weight_dtype}"
+            )
         groups = list(groups)
         if len(groups) != len(names):
             raise ValueError("one name per group")
@@ -143,6 +156,7 @@ class StackedLoRA:
         self.num_lora = 1 + max(i for i, g in enumerate(groups) if g is not None)
         self._mode = GroupMode()
         self._release = release_adapters
+        self.weight_dtype = weight_dtype
         self._wrap(groups, weight_source, use_kernel)
         self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
 
@@ -200,6 +214,10 @@ class StackedLoRA:
                       for name, layer, _ in plans + others if packable(layer.weight)]  # fmt: skip
             if packs:
                 gemm = choose_gemm(shapes, groups=self.num_groups, lora=self.num_lora)
+        bf16 = self.weight_dtype == torch.bfloat16
+        if bf16 and gemm is None:  # torch's bf16 matmuls, as a model loaded in bf16
+            logger.info("bf16 weights without the packed kernel: the base runs in torch's bf16")
+            self.model.to(torch.bfloat16)
         emb = self.model.get_input_embeddings()
         emb_weight = getattr(emb, "weight", None)
         emb_name = next((n for n, mod in named.items() if mod is emb), None)
@@ -228,8 +246,9 @@ class StackedLoRA:
             )
             a, b = matrices.pop(name, (None, None))
             wrapped = StackedLoraLinear(
-                layer, a, b, self._mode, source=source, gemm=gemm, lora_packed=packed
-            )
+                layer, a, b, self._mode, source=source, gemm=gemm, lora_packed=packed,
+                weight_dtype=self.weight_dtype if packed else torch.float32,
+            )  # fmt: skip
             self.model.set_submodule(name, wrapped)
             if tied and wrapped.weight_packed is not None:
                 tied_head = wrapped

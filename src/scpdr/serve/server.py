@@ -125,13 +125,14 @@ def check_ledger(config: ServeConfig) -> None:
 
 
 def load_protected(bundle: str | os.PathLike[str], config: ServeConfig, *, device: str) -> Any:
-    """The :class:`~scpdr.runtime.ProtectedLM` of ``bundle`` with the config's method, m and
-    base, on ``device``. Raises what ``ProtectedLM.from_bundle`` raises."""
+    """The :class:`~scpdr.runtime.ProtectedLM` of ``bundle`` with the config's method, m,
+    base and precision, on ``device``. Raises what ``ProtectedLM.from_bundle`` raises."""
     from scpdr.runtime import ProtectedLM
 
     return ProtectedLM.from_bundle(
-        bundle, method=config.method, m=config.m, base=config.base, device=device
-    )
+        bundle, method=config.method, m=config.m, base=config.base, device=device,
+        dtype=config.model_dtype(),
+    )  # fmt: skip
 
 
 def run_server(bundle: str | os.PathLike[str], config: ServeConfig) -> None:
