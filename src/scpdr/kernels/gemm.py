@@ -35,7 +35,6 @@ __all__ = [
     "lora_linear",
     "lora_linear_reference",
     "pack_panels",
-    "panels_in_features",
     "unpack_panels",
 ]
 
@@ -148,11 +147,6 @@ def unpack_panels(packed: Tensor, n: int, k: int | None = None) -> Tensor:
             packed = packed[:, :k]
     p, k2, width = packed.shape
     return packed.transpose(1, 2).reshape(p * width, k2)[:n]
-
-
-def panels_in_features(packed: Tensor) -> int:
-    """The ``k`` a float32 panel stack was packed with (bf16 ones: ``2 · ceil(k / 2)``)."""
-    return packed.shape[1] * (2 if packed.dim() == 4 else 1)
 
 
 def lora_linear(
