@@ -8,7 +8,12 @@ every configuration sees the same machine load:
   HF ``generate`` tokens/s of one model, same prompts, B in {1, 8};
 - teacher-forced ``score`` tokens/s (SCP-Δr-b) divided by one model's forward tokens/s;
 - base-anchored SCP-Δr-b (``anchor=0.5``: the mixture with the base, its certificate recomputed
-  and each token's charge against the base; ``scp-delta-r-b+anchor``), the same ratio.
+  and each token's charge against the base; ``scp-delta-r-b+anchor``), the same ratio;
+- where ``llama-cpp-python`` is importable (not a dependency: ``pip install llama-cpp-python``),
+  what CPU users run instead: the same GGUF file (the embedded model, 4-bit Q4_1) decoded
+  greedily by llama.cpp with the same threads and prompt at B = 1, in the same rounds
+  (``llama_cpp``: its ms per token and tokens/s, and each method's tokens/s over it; not a
+  goal: llama.cpp runs the quantized weights, scpdr the float32 ones).
 
 Goals: scp-delta-r-b >= 0.30 (the memory-bound limit with three forwards is 1/3),
 scp-delta-r-c >= 0.45, cp-fuse >= 0.28, score >= 0.30.
@@ -21,8 +26,11 @@ Last stdout line: ``{"bench": "generate", "ratios": {"scp-delta-r-b@B1": ..., ..
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +58,27 @@ PROMPTS = [
     "Why is the sky blue during the day but red and orange during the sunset?",
     "List some tips for writing clear and maintainable Python code for a team.",
 ]
+
+
+def llama_cpp_decoder(gguf: Path, threads: int, n_new: int) -> Callable[[str], None] | None:
+    """``decode(prompt)``: ``n_new`` greedy tokens of ``gguf`` with llama.cpp (its prompt cache
+    reset each call, so every call prefills as HF ``generate`` does), or None when
+    ``llama_cpp`` is not importable."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        logger.info("llama-cpp-python is not installed: no llama.cpp row")
+        return None
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, verbose=False)
+
+    def decode(prompt: str) -> None:
+        llm.reset()
+        tokens = llm.tokenize(prompt.encode())
+        for i, _ in enumerate(llm.generate(tokens, top_k=1, temp=0.0), start=1):
+            if i >= n_new:  # llama.cpp's generator does not stop at EOS itself
+                break
+
+    return decode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,9 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     single = cons[0]
     tok.padding_side = "left"
+    llama = llama_cpp_decoder(models.embedded_gguf_path(), threads, n_new)
 
     ratios: dict[str, float | None] = {}
     ms: dict[str, float] = {}
+    llama_row: dict[str, float] | None = None
     for b in args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
         enc = tok(prompts, return_tensors="pt", padding=True)
@@ -111,11 +142,19 @@ def main(argv: list[str] | None = None) -> int:
         fns["scp-delta-r-b+anchor"] = lambda lm=lms["scp-delta-r-b"], prompts=prompts: lm.generate(
             prompts, max_new_tokens=n_new, stop_at_eos=False, anchor=ANCHOR
         )
+        if llama is not None and b == 1:
+            fns["llama-cpp"] = partial(llama, prompts[0])
         logger.info("B=%d: timing %s (%d rounds, %d new tokens)", b, list(fns), repeats, n_new)
         med = interleaved_medians(fns, repeats=repeats, warmup=1)
         for name, sec in med.items():
             ms[f"{name}@B{b}"] = round(1000 * sec / n_new, 2)  # ms per generated step
-            if name != "hf-generate":
+            if name == "llama-cpp":
+                llama_row = {"ms_per_token@B1": ms["llama-cpp@B1"]}
+                llama_row["tokens_per_s@B1"] = round(n_new / sec, 1)
+                for other, t in med.items():
+                    if other != "llama-cpp":
+                        llama_row[f"{other}_vs_llama_cpp@B1"] = round(sec / t, 3)
+            elif name != "hf-generate":
                 ratios[f"{name}@B{b}"] = round(med["hf-generate"] / sec, 3)
 
     # Teacher-forced scoring: B = 8 sequences of T tokens.
@@ -147,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         ms_per_step=ms,
         new_tokens=n_new,
         score_len=t_len,
+        llama_cpp=llama_row,
         threads=threads,
         quick=args.quick,
     )
