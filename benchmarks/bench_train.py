@@ -28,7 +28,9 @@ changelog entries, 500 of them, batch 8), measured round-robin in one run (the C
   reported beside it. Goal <= 0.15.
 - ``peak_rss_gb``: peak resident memory (``ru_maxrss``) of a fresh process that runs two full
   fine-tuning steps of the 135M model at batch 8 x 256 tokens with scpdr's step as it runs on
-  CPU (AdamW, so the optimizer state is there; gradient checkpointing on); the HF step's is
+  CPU (AdamW, so the optimizer state is there; gradient checkpointing on; the heap's free
+  pages returned at the step's start, after the forward and before the optimizer step,
+  :mod:`scpdr.training.memory`); the HF step's is
   reported beside it, and scpdr's without checkpointing (``--no-gradient-checkpointing``, as on
   a GPU). Goal <= 3 GB.
 
@@ -134,23 +136,27 @@ def _steps(
     model: Any, precision: Any, *, ours: bool, chunked: bool = True, checkpointing: bool = False
 ) -> Any:
     """One training step on a collated batch: scpdr's (chunked loss unless ``chunked`` is
-    false, the precision, activations checkpointed if ``checkpointing``) or HF's (the model's
-    own loss, fp32, no checkpointing). The same AdamW for both (its cost does not depend on the
+    false, the precision, activations checkpointed if ``checkpointing``, the heap trimmed as on
+    CPU) or HF's (the model's own loss, fp32, no checkpointing). The same AdamW for both (its cost does not depend on the
     weights' values); each step sets the model's checkpointing, so sides can share a model."""
     import contextlib
 
     import torch
 
     from scpdr.training.loss import ChunkedCausalLMLoss
+    from scpdr.training.memory import trim_heap
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
     loss_fn = ChunkedCausalLMLoss(
         model.get_output_embeddings(),
         vocab_size=int(model.config.vocab_size),
         autocast="cpu" if precision.bf16 else None,
+        trim_heap=ours,  # as scpdr train on CPU (scpdr.training.memory)
     )
 
     def step(batch: dict[str, Any]) -> None:
+        if ours:  # the heap trim callback's on_step_begin
+            trim_heap()
         if checkpointing and ours:
             model.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": False}
@@ -175,6 +181,8 @@ def _steps(
         else:
             loss = model(**inputs, labels=batch["labels"]).loss
         loss.backward()
+        if ours:  # its on_pre_optimizer_step
+            trim_heap()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

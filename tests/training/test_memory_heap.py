@@ -9,7 +9,7 @@ import platform
 
 import pytest
 
-from scpdr.training.memory import trim_heap
+from scpdr.training.memory import heap_trim_callback, trim_heap
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's heap"
@@ -38,3 +38,82 @@ def test_freed_heap_blocks_go_back_to_the_system_only_when_trimmed():
     after = _rss_bytes()
     libc.free(blocks[-1])
     assert before - after > 0.8 * size * (n - 1)  # the freed 100 MiB left the process
+
+
+def _freed_pinned_heap(libc, size: int = 64 * 1024, n: int = 1600):
+    """100 MiB of resident heap blocks, all freed but the last (which pins the heap's top):
+    resident until trimmed. Returns the pinning block (free it after the test)."""
+    libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
+    blocks = [libc.malloc(size) for _ in range(n)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)
+    for b in blocks[:-1]:
+        libc.free(b)
+    return blocks[-1], size * (n - 1)
+
+
+@pytest.mark.parametrize("hook", ["on_step_begin", "on_pre_optimizer_step"])
+def test_the_step_callback_returns_freed_heap_blocks(hook):
+    """The Trainer callback of a CPU run hands the heap's free blocks back at a step's start
+    and before its optimizer step."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    cb = heap_trim_callback()
+    pin, freed = _freed_pinned_heap(libc)
+    before = _rss_bytes()
+    getattr(cb, hook)(None, None, None)
+    after = _rss_bytes()
+    libc.free(pin)
+    assert before - after > 0.8 * freed
+
+
+def test_the_chunked_loss_trims_first_and_computes_the_same_loss():
+    """ChunkedCausalLMLoss(trim_heap=True) returns the heap's free blocks before its chunks
+    and gives the loss and gradients of trim_heap=False, bit for bit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from scpdr.training.loss import ChunkedCausalLMLoss
+
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(2, 6, 8, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 6), generator=gen)
+    out = SimpleNamespace(hidden_states=(hidden,))
+    results = []
+    for trim in (False, True):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        pin, freed = _freed_pinned_heap(libc)
+        before = _rss_bytes()
+        loss = ChunkedCausalLMLoss(head, vocab_size=50, trim_heap=trim)(out, labels)
+        dropped = before - _rss_bytes()
+        libc.free(pin)
+        (grad,) = torch.autograd.grad(loss, [hidden])
+        results.append((loss.detach(), grad))
+        assert (dropped > 0.8 * freed) is trim
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_cpu_trainer_trims_the_heap_inside_each_step(tmp_path):
+    """make_trainer(trim_heap=True) (finetune on CPU) registers the step callback and makes
+    the chunked loss trim after the forward; without it, neither."""
+    from transformers import TrainingArguments
+
+    from scpdr.testing import tiny_model
+    from scpdr.training.sequences import CausalCollator
+    from scpdr.training.trainer import make_trainer
+
+    rows = [{"input_ids": [3, 4, 5, 2], "attention_mask": [1] * 4, "labels": [3, 4, 5, 2]}] * 2
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False
+    )
+    kind = type(heap_trim_callback())
+    for trim in (True, False):
+        trainer, chunked = make_trainer(
+            model=tiny_model(0).train(), args=args, rows=rows,
+            collator=CausalCollator(pad_token_id=2), grouped=False, chunked_loss=True,
+            autocast=None, trim_heap=trim,
+        )  # fmt: skip
+        assert chunked and trainer.compute_loss_func.trim_heap is trim
+        assert any(isinstance(cb, kind) for cb in trainer.callback_handler.callbacks) is trim

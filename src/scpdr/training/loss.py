@@ -158,12 +158,17 @@ class ChunkedCausalLMLoss:
     PEFT-wrapped head is the wrapper); ``autocast``: the device type whose bf16 autocast the
     head runs under (``"cpu"``/``"cuda"``; ``None``: as the caller's context), as the model's
     forward does under mixed precision (the Trainer's autocast wraps the forward only, and the
-    loss runs after it)."""
+    loss runs after it). ``trim_heap``: first return the heap's free pages to the system
+    (:func:`scpdr.training.memory.trim_heap`; CPU training), so that the chunks' logits do not
+    add to the blocks the forward freed."""
 
-    def __init__(self, head: Any, *, vocab_size: int, autocast: str | None = None) -> None:
+    def __init__(
+        self, head: Any, *, vocab_size: int, autocast: str | None = None, trim_heap: bool = False
+    ) -> None:
         self.head = head
         self.chunk = chunk_size(vocab_size)
         self.autocast = autocast
+        self.trim_heap = trim_heap
 
     def __call__(
         self, outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None
@@ -183,6 +188,10 @@ class ChunkedCausalLMLoss:
             if self.autocast
             else contextlib.nullcontext()
         )
+        if self.trim_heap:
+            from scpdr.training.memory import trim_heap
+
+            trim_heap()
         with ctx:
             return causal_lm_loss(
                 hidden[-1],
