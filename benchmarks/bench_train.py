@@ -18,7 +18,9 @@ changelog entries, 500 of them, batch 8), measured round-robin in one run (the C
   on CPU uses instead) on one adapter input.
   scpdr's step is timed as ``scpdr train`` runs it on CPU: with gradient checkpointing (the
   plan's default there, :func:`~scpdr.training.plan.fit_to_data`); the same step without it is
-  timed beside it (``seconds_per_batch["scpdr-no-checkpointing"]``: what checkpointing costs).
+  timed beside it (``seconds_per_batch["scpdr-no-checkpointing"]``: what checkpointing costs),
+  and the step without returning the heap's free pages inside it (``scpdr-no-trim``;
+  ``heap_trim_cost``: scpdr's time over its, its peak RSS beside scpdr's).
   Both steps are forward, backward and an AdamW step on the same model, over ``--steps``
   batches drawn from each side's epoch; the Trainer's own per-step overhead is the same for
   both and left out. Goal >= 1.0, and >= 1.8 on a CPU with bf16 units (``amx_bf16`` or
@@ -64,8 +66,9 @@ from _common import cpu_model, emit, interleaved_medians, logger, setup
 GOALS = {"tokens_per_s": 1.0, "tokens_per_s_bf16": 1.8, "padding_share": 0.15, "peak_rss_gb": 3.0}
 #: The skewed lengths: lognormal around this mean, capped (a user's changelog entries).
 MEAN_TOKENS, MAX_TOKENS = 120, 262
-#: The peak-RSS processes: scpdr's step (as on CPU), HF's, scpdr's without checkpointing.
-RSS_KINDS = ("scpdr", "hf", "scpdr-no-checkpointing")
+#: The peak-RSS processes: scpdr's step (as on CPU), HF's, scpdr's without checkpointing, and
+#: without returning the heap's free pages inside the step.
+RSS_KINDS = ("scpdr", "hf", "scpdr-no-checkpointing", "scpdr-no-trim")
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
@@ -133,7 +136,13 @@ def cpu_checkpointing() -> bool:
 
 
 def _steps(
-    model: Any, precision: Any, *, ours: bool, chunked: bool = True, checkpointing: bool = False
+    model: Any,
+    precision: Any,
+    *,
+    ours: bool,
+    chunked: bool = True,
+    checkpointing: bool = False,
+    trim: bool = True,
 ) -> Any:
     """One training step on a collated batch: scpdr's (chunked loss unless ``chunked`` is
     false, the precision, activations checkpointed if ``checkpointing``, the heap trimmed as on
@@ -151,11 +160,11 @@ def _steps(
         model.get_output_embeddings(),
         vocab_size=int(model.config.vocab_size),
         autocast="cpu" if precision.bf16 else None,
-        trim_heap=ours,  # as scpdr train on CPU (scpdr.training.memory)
+        trim_heap=ours and trim,  # as scpdr train on CPU (scpdr.training.memory)
     )
 
     def step(batch: dict[str, Any]) -> None:
-        if ours:  # the heap trim callback's on_step_begin
+        if ours and trim:  # the heap trim callback's on_step_begin
             trim_heap()
         if checkpointing and ours:
             model.activation_checkpointing_enable(
@@ -181,7 +190,7 @@ def _steps(
         else:
             loss = model(**inputs, labels=batch["labels"]).loss
         loss.backward()
-        if ours:  # its on_pre_optimizer_step
+        if ours and trim:  # its on_pre_optimizer_step
             trim_heap()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -190,8 +199,8 @@ def _steps(
 
 
 def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
-    """Two training steps at batch 8 x 256 tokens (``scpdr``: as on CPU, ``hf``, or
-    ``scpdr-no-checkpointing``); prints ``{"maxrss_kb": ...}``."""
+    """Two training steps at batch 8 x 256 tokens (``scpdr``: as on CPU, ``hf``,
+    ``scpdr-no-checkpointing`` or ``scpdr-no-trim``); prints ``{"maxrss_kb": ...}``."""
     import torch
 
     from scpdr.training.precision import resolve_precision
@@ -206,8 +215,10 @@ def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
         r["input_ids"] = (r["input_ids"] * 256)[:256]
         r["attention_mask"], r["labels"] = [1] * 256, list(r["input_ids"])
     batch = CausalCollator(pad_token_id=eos)(rows)
-    checkpointing = kind == "scpdr" and cpu_checkpointing()
-    step = _steps(model, precision, ours=ours, checkpointing=checkpointing)
+    checkpointing = kind in ("scpdr", "scpdr-no-trim") and cpu_checkpointing()
+    step = _steps(
+        model, precision, ours=ours, checkpointing=checkpointing, trim=kind != "scpdr-no-trim"
+    )
     for _ in range(2):
         step(batch)
     print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
@@ -271,15 +282,21 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {k: sum(int(b["attention_mask"].sum()) for b in bs) for k, bs in batches.items()}
     fns = {}
     ckpt = cpu_checkpointing()
-    sides = {  # (batches, chunked loss, checkpointing)
-        "hf": ("hf", False, False),
-        "scpdr": ("scpdr", True, ckpt),
-        "scpdr-model-loss": ("scpdr", False, ckpt),
-        "scpdr-no-checkpointing": ("scpdr", True, False),
+    sides = {  # (batches, chunked loss, checkpointing, heap trimmed)
+        "hf": ("hf", False, False, False),
+        "scpdr": ("scpdr", True, ckpt, True),
+        "scpdr-model-loss": ("scpdr", False, ckpt, True),
+        "scpdr-no-checkpointing": ("scpdr", True, False, True),
+        "scpdr-no-trim": ("scpdr", True, ckpt, False),
     }
-    for kind, (data, chunked, checkpointing) in sides.items():
+    for kind, (data, chunked, checkpointing, trim) in sides.items():
         step = _steps(
-            model, precision, ours=kind != "hf", chunked=chunked, checkpointing=checkpointing
+            model,
+            precision,
+            ours=kind != "hf",
+            chunked=chunked,
+            checkpointing=checkpointing,
+            trim=trim,
         )
         fns[kind] = lambda step=step, bs=batches[data]: [step(b) for b in bs]
     logger.info("timing %d batches per side, %d rounds, %d threads", len(picked), repeats, threads)
@@ -321,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpointing=ckpt,
         lora_dropout_speedup=round(dropout_speedup, 3),
         checkpointing_cost=round(med["scpdr"] / med["scpdr-no-checkpointing"], 3),
+        heap_trim_cost=round(med["scpdr"] / med["scpdr-no-trim"], 3),
         padding_share={k: round(v, 4) for k, v in shares.items()},
         peak_rss_gb={k: round(v / 2**20, 3) for k, v in rss.items()},
         precision=precision.to_dict(),

@@ -32,8 +32,15 @@ def test_bench_train_tiny_quick_prints_its_json_line():
     # tokens_per_s are printed to 0.1, the ratio from the unrounded ones
     assert ratios["tokens_per_s"] == pytest.approx(tps["scpdr"] / tps["hf"], rel=1e-2)
     assert ratios["tokens_per_s"] > 0
-    assert set(tps) == {"scpdr", "hf", "scpdr-model-loss", "scpdr-no-checkpointing"}
+    assert set(tps) == {
+        "scpdr",
+        "hf",
+        "scpdr-model-loss",
+        "scpdr-no-checkpointing",
+        "scpdr-no-trim",
+    }
     assert line["chunked_loss_speedup"] > 0 and line["checkpointing_cost"] > 0
+    assert line["heap_trim_cost"] > 0
     assert line["checkpointing"] is True  # scpdr's step as scpdr train runs it on CPU
     assert line["lora_dropout_speedup"] > 0
     # grouped batches pad less than random ones on the skewed lengths
