@@ -37,7 +37,7 @@ def test_bench_train_tiny_quick_prints_its_json_line():
         "hf",
         "scpdr-model-loss",
         "scpdr-no-checkpointing",
-        "scpdr-no-trim",
+        "scpdr-trim-heap",
     }
     assert line["chunked_loss_speedup"] > 0 and line["checkpointing_cost"] > 0
     assert line["heap_trim_cost"] > 0

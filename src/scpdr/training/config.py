@@ -58,13 +58,15 @@ PAPER_DEFAULTS: dict[str, tuple[Any, Any]] = {
 CPU_MAX_BATCH_TOKENS = 4096
 
 #: Settings that do not change the trained weights (left out of the fingerprint); the chunked
-#: loss is the same loss with the same gradients (to float rounding) as the model's own.
+#: loss is the same loss with the same gradients (to float rounding) as the model's own, and
+#: trimming the heap only changes where freed memory goes.
 NOT_IN_FINGERPRINT = (
     "progress",
     "logging_steps",
     "save_steps",
     "save_total_limit",
     "chunked_loss",
+    "trim_heap",
 )
 
 
@@ -177,6 +179,12 @@ class TrainConfig(BaseModel):
         description="Most tokens (padding included) one forward pass holds: a larger batch is "
         "split into gradient-accumulation micro-batches (the same effective batch); unset: "
         f"{CPU_MAX_BATCH_TOKENS} when training on CPU, no limit on a GPU.",
+    )
+    trim_heap: bool = Field(
+        False,
+        description="CPU: return the heap's free pages to the system inside each step (its "
+        "start, after the forward, before the optimizer step): a lower peak for more time per "
+        "step (135M model at 8 x 256 tokens: 3.45 -> 3.01 GiB, 18% more time, measured).",
     )
     progress: bool = Field(
         True,

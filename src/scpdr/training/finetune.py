@@ -263,7 +263,7 @@ def finetune(
         chunked_loss=cfg.chunked_loss,
         autocast=("cuda" if dev.startswith("cuda") else "cpu") if precision.bf16 else None,
         callbacks=callbacks,
-        trim_heap=dev == "cpu",  # training/memory.py
+        trim_heap=dev == "cpu" and cfg.trim_heap,  # training/memory.py
     )
     trainer.add_callback(_skip_final_checkpoint())
     # the Trainer prints its logs to stdout: a progress bar shows them, or they are logged

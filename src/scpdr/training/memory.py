@@ -8,16 +8,17 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   freed, and :func:`trim_heap` hands the heap's free pages back (``malloc_trim(0)``, which since
   glibc 2.8 releases free pages anywhere in the heap, not only at its top), so the next
   constituent starts from what it needs;
-- **inside a step** (:func:`heap_trim_callback`, and the chunked loss's ``trim_heap``): a step's
-  freed activations and gradients leave free blocks scattered through the heap, which its next
-  phase cannot all reuse (other sizes), so it maps new memory on top of them. The peak of a
-  step is reached in the phase that allocates the most new memory: the loss (the chunks'
-  logits, tens of MB each, which glibc maps separately) and the optimizer step. Trimming at the
-  step's start, after the model's forward (before the loss) and before the optimizer step
-  returns those free blocks first. Measured on the 135M model, full fine-tuning, bf16, gradient
-  checkpointing, 8 x 256 tokens (AMD Zen 4, 2 threads): peak resident memory 3.54 -> 2.94 GiB,
-  step time within the run-to-run spread (9.2-9.9 s vs 9.7 s); trimming after the step only
-  (one trim per step) changed neither. Fixing glibc's mmap threshold instead
+- **inside a step**, where asked (``TrainConfig.trim_heap``; :func:`heap_trim_callback` and the
+  chunked loss's ``trim_heap``): a step's freed activations and gradients leave free blocks
+  scattered through the heap, which its next phase cannot all reuse (other sizes), so it maps
+  new memory on top of them; the peak is reached in the phase that allocates the most new
+  memory: the loss (the chunks' logits, tens of MB each, which glibc maps separately) and the
+  optimizer step. Trimming at the step's start, after the model's forward (before the loss)
+  and before the optimizer step returns those blocks first, at the price of faulting them in
+  again. bench_train (135M, full fine-tuning, bf16, checkpointing, AMD Zen 4, 2 threads): peak
+  at 8 x 256 tokens 3.45 -> 3.01 GiB, but 18% more time per step on its skewed batches (5.13
+  -> 6.06 s): off by default. (A one-step probe on fixed batches had shown no time cost:
+  trimming only after the step changes neither.) Fixing glibc's mmap threshold instead
   (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every tensor its own mapping) lowered the peak to 2.8
   GiB but made a step 30% slower (4 MiB: 2.96 GiB, 15% slower): not used.
 
