@@ -222,8 +222,9 @@ class ProtectedLM:
         ``device``: cpu, cuda or cuda:N (default: cuda when available, :mod:`scpdr.device`); on
         CUDA the models load in bf16 unless ``dtype`` says otherwise, and the aggregation stays
         float32; ``dtype=torch.bfloat16`` on CPU runs a LoRA bundle's base with bf16 weights on
-        the packed kernel, computing in float32 (:class:`scpdr.lora.StackedLoRA`). Raises BundleError for missing/inconsistent files, ValueError for bad arguments
-        (a :class:`~scpdr.errors.ConfigError` for an unavailable device).
+        the packed kernel, computing in float32 (:class:`scpdr.lora.StackedLoRA`). Raises
+        BundleError for missing/inconsistent files, ValueError for bad arguments (a
+        :class:`~scpdr.errors.ConfigError` for an unavailable device).
         """
         parts = load_bundle_parts(path, method=method, m=m, base=base, dtype=dtype, device=device)
         return cls(parts.constituents, parts.tokenizer, **parts.kwargs())
