@@ -15,10 +15,12 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   memory: the loss (the chunks' logits, tens of MB each, which glibc maps separately) and the
   optimizer step. Trimming at the step's start, after the model's forward (before the loss)
   and before the optimizer step returns those blocks first, at the price of faulting them in
-  again. bench_train (135M, full fine-tuning, bf16, checkpointing, AMD Zen 4, 2 threads): peak
-  at 8 x 256 tokens 3.45 -> 3.01 GiB, but 18% more time per step on its skewed batches (5.13
-  -> 6.06 s): off by default. (A one-step probe on fixed batches had shown no time cost:
-  trimming only after the step changes neither.) Fixing glibc's mmap threshold instead
+  again. Measured on the 135M model (full fine-tuning, bf16, checkpointing, AMD Zen 4, 2
+  threads), 8 of bench_train's skewed batches of 8 in fresh processes, 3 pairs: 5.60 -> 6.18 s
+  per batch (+10%; 5-13% per pair) for a peak of 3.30 -> 2.99 GiB; bench_train, whose sides
+  share one process and heap, gave +2% and +18% in two runs, peaks 3.41 -> 2.99 and 3.45 ->
+  3.01 GiB at 8 x 256 tokens. 10% more time for 10% less memory: off by default, like the mmap
+  threshold below. (Trimming only after the step changes neither.) Fixing glibc's mmap threshold instead
   (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every tensor its own mapping) lowered the peak to 2.8
   GiB but made a step 30% slower (4 MiB: 2.96 GiB, 15% slower): not used.
 
