@@ -178,8 +178,13 @@ def lora_linear(
         assert lora_a is not None and lora_b is not None
         tmp = torch.empty(lora, per, lora_a.shape[1] * lora_a.shape[-1], dtype=torch.float32)
         a_ptr, b_ptr, tmp_ptr = lora_a[first].data_ptr(), lora_b[first].data_ptr(), tmp.data_ptr()
-    fn = gemm.lib.cdll.scpdr_lora_linear_bf16w if weight.dtype == torch.bfloat16 else None
-    (fn or gemm.lib.cdll.scpdr_lora_linear_f32)(
+    cdll = gemm.lib.cdll
+    fn = (
+        cdll.scpdr_lora_linear_bf16w
+        if weight.dtype == torch.bfloat16
+        else cdll.scpdr_lora_linear_f32
+    )
+    fn(
         groups, per, n, k, x.data_ptr(), weight.data_ptr(), lora, rank, a_ptr, b_ptr, tmp_ptr,
         y.data_ptr(), torch.get_num_threads() if threads is None else threads,
     )  # fmt: skip

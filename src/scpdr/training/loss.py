@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from scpdr.training.memory import trim_heap
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -189,8 +191,6 @@ class ChunkedCausalLMLoss:
             else contextlib.nullcontext()
         )
         if self.trim_heap:
-            from scpdr.training.memory import trim_heap
-
             trim_heap()
         with ctx:
             return causal_lm_loss(

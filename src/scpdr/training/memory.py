@@ -19,10 +19,10 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   threads), 8 of bench_train's skewed batches of 8 in fresh processes, 3 pairs: 5.60 -> 6.18 s
   per batch (+10%; 5-13% per pair) for a peak of 3.30 -> 2.99 GiB; bench_train, whose sides
   share one process and heap, gave +2% and +18% in two runs, peaks 3.41 -> 2.99 and 3.45 ->
-  3.01 GiB at 8 x 256 tokens. 10% more time for 10% less memory: off by default, like the mmap
-  threshold below. (Trimming only after the step changes neither.) Fixing glibc's mmap threshold instead
-  (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every tensor its own mapping) lowered the peak to 2.8
-  GiB but made a step 30% slower (4 MiB: 2.96 GiB, 15% slower): not used.
+  3.01 GiB at 8 x 256 tokens. 10% more time for 10% less memory: off by default, as the mmap
+  threshold is not used either (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every tensor its own
+  mapping; peak 2.8 GiB, 30% slower; 4 MiB: 2.96 GiB, 15% slower). Trimming only after the
+  step changes neither the peak nor the time.
 
 On CPU only (a GPU's memory is torch's caching allocator's); elsewhere than glibc (macOS, musl)
 nothing is done.
