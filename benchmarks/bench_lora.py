@@ -150,7 +150,7 @@ def child(kind: str, bundle: str, n_new: int) -> int:
                 pad_token_id=tok.pad_token_id,
             )
     else:
-        lm = ProtectedLM.from_bundle(bundle)
+        lm = ProtectedLM.from_bundle(bundle, device="cpu")
         if not lm.fast_path.on:
             raise RuntimeError(f"the LoRA fast path did not engage ({lm.fast_path.reason})")
         lm.generate(PROMPTS[:1], max_new_tokens=n_new, stop_at_eos=False)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     for target in targets:  # one fast-path model per kernel build
         suffix = "" if target == "native" else f"[{target}]"
         with kernels.using_target(target):
-            fast = ProtectedLM.from_bundle(bundle)
+            fast = ProtectedLM.from_bundle(bundle, device="cpu")
         if not fast.fast_path.on:
             raise RuntimeError(
                 f"the LoRA fast path did not engage on the benchmark bundle ({fast.fast_path})"
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             with kernels.using_target(target):
                 lms[f"{BF16}{suffix}"] = (
                     target,
-                    ProtectedLM.from_bundle(bundle, dtype=torch.bfloat16),
+                    ProtectedLM.from_bundle(bundle, dtype=torch.bfloat16, device="cpu"),
                 )
         # one model through the same packed kernels as the fast path: the stack's base group
         if any(getattr(mod, "weight_packed", None) is not None for mod in stack.model.modules()):
