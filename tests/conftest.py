@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Training precision: `auto` would measure bf16 against fp32 on the machine (and pick either);
 # the tests train in fp32 everywhere, and those of `auto` unset this or inject flags and timings.
 os.environ["SCPDR_PRECISION"] = "fp32"
+# The default device: the CPU tests compare with CPU references, also on a machine with a GPU
+# (where the library's default is cuda; tests/gpu clears this to test that default).
+os.environ["SCPDR_DEVICE"] = "cpu"
 # The converted base model and the tokenizer are cached here across test runs (see scpdr.models).
 os.environ.setdefault("SCPDR_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "scpdr"))
 

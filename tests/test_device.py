@@ -27,10 +27,25 @@ def test_cuda_helpers():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only behaviour")
-def test_without_cuda_the_default_is_cpu_and_cuda_is_an_error():
+def test_without_cuda_the_default_is_cpu_and_cuda_is_an_error(monkeypatch):
+    monkeypatch.delenv("SCPDR_DEVICE", raising=False)
     assert resolve_device(None) == "cpu" and resolve_device("cpu") == "cpu"
     with pytest.raises(ConfigError, match=r"no CUDA device .* use --device cpu"):
         resolve_device("cuda:0")
+
+
+def test_scpdr_device_is_the_default_and_an_explicit_device_wins(monkeypatch):
+    monkeypatch.setenv("SCPDR_DEVICE", " CPU ")
+    assert resolve_device(None) == "cpu"
+    monkeypatch.setenv("SCPDR_DEVICE", "gpu")
+    with pytest.raises(ConfigError, match=r"SCPDR_DEVICE 'gpu': must be cpu, cuda or cuda:N"):
+        resolve_device(None)
+    assert resolve_device("cpu") == "cpu"  # not read when a device is given
+    monkeypatch.setenv("SCPDR_DEVICE", f"cuda:{torch.cuda.device_count()}")  # never there
+    with pytest.raises(ConfigError, match=r"SCPDR_DEVICE cuda:\d+: (no CUDA|torch sees)"):
+        resolve_device(None)
+    monkeypatch.setenv("SCPDR_DEVICE", "")  # empty: as if unset
+    assert resolve_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_serve_uses_the_same_resolver():

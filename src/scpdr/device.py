@@ -1,5 +1,5 @@
 """Where models run: the one ``--device`` / ``device:`` spelling of the library (``cpu``,
-``cuda``, ``cuda:N``; default: cuda when torch sees one), shared by ``scpdr train``, ``scpdr eval``,
+``cuda``, ``cuda:N``; default: ``$SCPDR_DEVICE``, else cuda when torch sees one), shared by ``scpdr train``, ``scpdr eval``,
 ``scpdr serve`` and the experiment's stages, and the precision that goes with it.
 
 On CUDA models are loaded in bf16 (:func:`model_dtype`); the aggregation of the constituents'
@@ -9,6 +9,7 @@ kernels of the LoRA shared-base path are CPU-only; on CUDA that path runs on tor
 
 from __future__ import annotations
 
+import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "DEVICE_HELP",
     "DEVICE_PATTERN",
+    "ENV_DEVICE",
     "check_device",
     "cuda_index",
     "is_cuda",
@@ -27,8 +29,13 @@ __all__ = [
     "resolve_device",
 ]
 
+#: The environment variable naming the default device (``cpu`` keeps a machine's GPU free).
+ENV_DEVICE = "SCPDR_DEVICE"
+
 #: The help text of the commands' ``--device`` option.
-DEVICE_HELP = "Device: cpu, cuda or cuda:N (default: cuda when available)."
+DEVICE_HELP = (
+    f"Device: cpu, cuda or cuda:N (default: ${ENV_DEVICE} if set, else cuda when available)."
+)
 
 #: The device names the library accepts.
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -50,16 +57,20 @@ def check_device(device: str | None, *, option: str = "--device") -> str | None:
 
 
 def resolve_device(device: str | None, *, option: str = "--device") -> str:
-    """``device``, or "cuda" when CUDA is available and "cpu" otherwise.
+    """``device``; when it is None, ``$SCPDR_DEVICE`` (:data:`ENV_DEVICE`) where that is set,
+    else "cuda" when CUDA is available and "cpu" otherwise.
 
     Raises:
-        ConfigError: a bad spelling, CUDA asked for and not available, or a GPU index torch does
-            not see.
+        ConfigError: a bad spelling (of ``device`` or of ``$SCPDR_DEVICE``), CUDA asked for and
+            not available, or a GPU index torch does not see.
     """
     import torch
 
     device = check_device(device, option=option)
     if device is None:
+        env = os.environ.get(ENV_DEVICE, "").strip()
+        if env:
+            return resolve_device(env, option=ENV_DEVICE)
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():

@@ -2,7 +2,9 @@
 with fp32 aggregation, training with bf16 + gradient checkpointing + 8-bit Adam, the LoRA
 shared-base path on torch, and an experiment's stages on the GPU.
 
-No numbers from these are in the docs: they have not run on a GPU yet (see docs/scaling.md)."""
+The suite's conftest sets ``SCPDR_DEVICE=cpu`` (the CPU tests compare CPU with CPU); these tests
+clear it, so that the library's own default (cuda when available) is what they see. They ran on
+an H100 once (docs/scaling.md)."""
 
 from __future__ import annotations
 

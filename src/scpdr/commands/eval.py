@@ -22,7 +22,7 @@ from typing import Any
 
 import typer
 
-from scpdr.device import DEVICE_HELP
+from scpdr.device import DEVICE_HELP, is_cuda, resolve_device
 from scpdr.methods import MAIN_TABLE_METHODS, SPECS, STATELESS_RULES
 
 _DEFAULT_METHODS = ",".join(MAIN_TABLE_METHODS)
@@ -55,9 +55,7 @@ def _models(method: str) -> int:
 def auto_methods(eval_data: Any, *, device: str | None = None) -> list[str]:
     """The main table's methods when a GPU is there or the data is small (the estimated token
     positions of the whole table within :data:`CPU_TOKEN_BUDGET`), else :data:`CPU_METHODS`."""
-    import torch
-
-    if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
+    if is_cuda(device if device is not None else resolve_device(None)):
         return list(MAIN_TABLE_METHODS)
     n = AUTO_SIZES
     texts = [t.text for t in eval_data.secrets] + eval_data.train[: n["tte_n"]]
@@ -204,7 +202,6 @@ def eval_(
         run_eval,
     )
     from scpdr.commands import check_m, check_out_dir, split_list
-    from scpdr.device import resolve_device
     from scpdr.errors import ConfigError
     from scpdr.methods import resolve
     from scpdr.models import read_bundle

@@ -79,8 +79,8 @@ class ExperimentConfig(Section):
     report: ReportConfig = Field(default_factory=ReportConfig)
     device: str | None = Field(
         None,
-        description="where the stages run models: cpu, cuda or cuda:N (default: cuda when "
-        "available); not part of the stage hashes",
+        description="where the stages run models: cpu, cuda or cuda:N (default: $SCPDR_DEVICE, "
+        "else cuda when available); not part of the stage hashes",
     )
     resources: dict[str, ResourceRequest] = Field(
         default_factory=dict,

@@ -74,7 +74,7 @@ class ServeConfig:
     )
     base: str = _f("model", "SCP base: 'model' (b variant) or 'constant' (c variant).")
     device: str | None = _f(
-        None, "Device of the models: cpu, cuda or cuda:N (default: cuda when available, else cpu)."
+        None, "Device of the models: cpu, cuda or cuda:N (default: $SCPDR_DEVICE, else cuda when available, else cpu)."
     )
     precision: str = _f(
         "auto",

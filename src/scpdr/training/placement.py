@@ -116,7 +116,7 @@ def main_process_first() -> Iterator[None]:
 
 
 def training_device(device: str | None) -> str:
-    """``device`` resolved (default: cuda when available); under a launcher a pinned GPU is an
+    """``device`` resolved (default: ``$SCPDR_DEVICE``, else cuda when available); under a launcher a pinned GPU is an
     error (each process trains on the GPU of its local rank).
 
     Raises:
