@@ -22,6 +22,10 @@ stacked batch. Measured round-robin in one run (the CPU is shared):
   the served model is then the bf16-rounded one): its ratio to HF generate, and ``speedup``:
   the float32-weight fast path's step time over its own, per build and batch size
   (``--no-bf16`` skips it); not a goal;
+- ``served_default``: per build, the precision ``scpdr serve --precision auto`` decodes with
+  on this CPU (bf16 base weights only where the CPU has bf16 units and a micro-benchmark finds
+  them faster at batch 1 and 8: ``scpdr.serve.precision``), its reason, and that row's ratios
+  (not a goal: the goals are the float32 ``ratios``);
 - peak resident memory (``ru_maxrss``) of a process that loads the fast-path protected model and
   decodes, divided by that of a process that loads one model and decodes (fresh subprocesses).
 
@@ -349,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         key = "memory" if t == "native" else f"memory[{t}]"
         ratios[key] = round(mem[f"protected[{t}]"] / mem["single"], 3) if mem["single"] else None
     tmp.cleanup()
+    served = served_default(targets, ratios, bf16w, args.batch_sizes, no_bf16=args.no_bf16)
     isa = per_target(targets, ratios, same_kernels, decisions, kernels)
     ratios = {k: v for k, v in ratios.items() if "[" not in k}
 
@@ -368,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         stacked_rows_ceiling=ceilings,
         same_kernel_ratios=same_kernels,
         bf16_weights=bf16w,
+        served_default=served,
         isa=isa,
         peak_rss_mib={k: round(v / 1024, 1) for k, v in mem.items()},
         vmhwm_mib={k: round(v / 1024, 1) for k, v in hwm.items()},
@@ -380,6 +386,31 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
     )
     return 0
+
+
+def served_default(targets, ratios, bf16w, batch_sizes, *, no_bf16: bool) -> dict:
+    """Per build, what ``scpdr serve --precision auto`` decodes with on this CPU (the decoding
+    precision, measured once per CPU model: :mod:`scpdr.serve.precision`), why, and that row's
+    ratios to HF generate (the float32 row's or the bf16-weight row's; None for bf16 under
+    ``--no-bf16``)."""
+    from scpdr import kernels
+    from scpdr.serve.precision import resolve_decode_precision
+
+    out = {}
+    for t in targets:
+        with kernels.using_target(t):
+            choice = resolve_decode_precision("auto")
+        suffix = "" if t == "native" else f"[{t}]"
+        row, source = (BF16, bf16w) if choice.bf16 else ("scp-delta-r-b", ratios)
+        rows = {
+            f"scp-delta-r-b@B{b}": None
+            if choice.bf16 and no_bf16
+            else source.get(f"{row}{suffix}@B{b}")
+            for b in batch_sizes
+        }
+        out[t] = {"precision": choice.precision, "reason": choice.reason, "ratios": rows}
+        logger.info("served with --precision auto (%s build): %s %s", t, choice.summary, rows)
+    return out
 
 
 def on_target(target: str, fn, *args, **kwargs):

@@ -180,8 +180,8 @@ def test_bf16_weights_without_the_kernel_run_torch_bf16(monkeypatch):
 
 
 def test_serve_precision_option():
-    """--precision: auto (the device's default dtype), fp32 or bf16; anything else is refused
-    naming the option."""
+    """--precision: auto (here the suite's SCPDR_PRECISION=fp32: the checkpoint's float32), fp32
+    or bf16; anything else is refused naming the option."""
     assert ServeConfig().model_dtype() is None
     assert ServeConfig(precision="bf16").model_dtype() == torch.bfloat16
     assert ServeConfig(precision="fp32").model_dtype() == torch.float32

@@ -2,6 +2,8 @@
 10); ``docs/serving.md`` has the endpoints and the layout:
 
 - :mod:`~scpdr.serve.config`: :class:`ServeConfig`, every setting of ``scpdr serve``;
+- :mod:`~scpdr.serve.precision`: ``--precision auto`` on CPU, bf16 base weights where measured
+  faster (``resolve_decode_precision``);
 - :mod:`~scpdr.serve.protocol`: pydantic request/response models; ``to_sampling_params`` (the
   runtime's :class:`~scpdr.runtime.sampling.SamplingParams`, one per sequence);
 - :mod:`~scpdr.serve.engine`: :class:`Engine`, the dynamic-batching worker over ``ProtectedLM``;

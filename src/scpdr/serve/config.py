@@ -74,14 +74,17 @@ class ServeConfig:
     )
     base: str = _f("model", "SCP base: 'model' (b variant) or 'constant' (c variant).")
     device: str | None = _f(
-        None, "Device of the models: cpu, cuda or cuda:N (default: $SCPDR_DEVICE, else cuda when available, else cpu)."
+        None,
+        "Device of the models: cpu, cuda or cuda:N (default: $SCPDR_DEVICE, else cuda when "
+        "available, else cpu).",
     )
     precision: str = _f(
         "auto",
-        "Weights of the models: fp32, bf16, or auto (bf16 on CUDA, fp32 on CPU). bf16 on CPU "
-        "keeps a LoRA bundle's base in bf16 on the packed kernel, computing in float32: "
-        "decoding at batch 1 1.15-1.3x faster (measured), none at batch 8, and the served "
-        "model is the bf16-rounded one (docs/lora_fast_path.md).",
+        "Weights of the models: fp32, bf16, or auto (bf16 on CUDA; on CPU bf16 where the CPU "
+        "has bf16 units and a micro-benchmark at first use finds them >= 1.1x faster at batch "
+        "1 and 8, else fp32; stored per CPU model). bf16 on CPU keeps a LoRA bundle's base in "
+        "bf16 on the packed kernel, computing in float32: the served model is the bf16-rounded "
+        "one (docs/lora_fast_path.md).",
     )
     unprotected: bool = _f(
         False,
@@ -243,14 +246,25 @@ class ServeConfig:
         """Whether the server runs on Ray Serve (``replicas`` > 1 or an ``address``)."""
         return self.replicas > 1 or self.address is not None
 
-    def model_dtype(self) -> Any:
-        """The ``dtype`` for ``ProtectedLM.from_bundle``: None for ``auto`` (the device's
-        default), else torch's float32 or bfloat16."""
-        if self.precision == "auto":
-            return None
+    def model_dtype(self, device: str = "cpu") -> Any:
+        """The ``dtype`` for ``ProtectedLM.from_bundle`` on ``device``: torch's float32 or
+        bfloat16 as asked; for ``auto`` None on CUDA (the device's default, bf16) and on CPU
+        bfloat16 where :func:`scpdr.serve.precision.resolve_decode_precision` picks it
+        (measured once per CPU model; ``$SCPDR_PRECISION`` replaces it), else None (the
+        checkpoint's float32). The CPU's choice and its reason are logged at INFO."""
         import torch
 
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        from scpdr.device import is_cuda
+
+        if self.precision == "auto" and is_cuda(device):
+            return None
+        from scpdr.serve.precision import resolve_decode_precision
+
+        choice = resolve_decode_precision(self.precision, device=device)
+        if self.precision == "auto":
+            logger.info("decoding precision: %s", choice.summary)
+            return torch.bfloat16 if choice.bf16 else None
+        return torch.bfloat16 if choice.bf16 else torch.float32
 
     def check_protection(self, method: str, *, warn: bool = True) -> None:
         """Refuse to serve ``method`` "none" (constituent 0, unprotected) unless ``unprotected``;

@@ -138,8 +138,9 @@ def decide_precision(
     units: Sequence[str] = (),
     timings: Timings | None = None,
     cuda_bf16: bool = False,
+    min_speedup: float = MIN_SPEEDUP,
 ) -> PrecisionChoice:
-    """The precision to train in, from what was read and measured (no I/O).
+    """The precision to train (or decode) in, from what was read and measured (no I/O).
 
     Args:
         requested: ``auto``, ``fp32`` or ``bf16`` (an explicit one is kept).
@@ -148,6 +149,8 @@ def decide_precision(
         timings: ``(what, bf16 seconds, fp32 seconds)`` per micro-benchmark case; ``None``
             when nothing was measured.
         cuda_bf16: whether the GPU supports bf16.
+        min_speedup: ``auto`` takes bf16 from this speedup in every case (training:
+            :data:`MIN_SPEEDUP`; decoding: :data:`scpdr.serve.precision.MIN_SPEEDUP`).
     """
     requested = _check(requested)
     if requested == "fp32":
@@ -172,7 +175,7 @@ def decide_precision(
     if not speedups:
         return PrecisionChoice("fp32", requested, f"{have}, but bf16 could not be measured")
     slowest = min(speedups)
-    if slowest >= MIN_SPEEDUP:
+    if slowest >= min_speedup:
         return PrecisionChoice(
             "bf16", requested, f"{have} and {slowest:.2g}x faster in the micro-benchmark"
         )
@@ -180,7 +183,7 @@ def decide_precision(
         "fp32",
         requested,
         f"{have}, but bf16 only {slowest:.2g}x fp32 in the micro-benchmark "
-        f"(auto takes it from {MIN_SPEEDUP:g}x)",
+        f"(auto takes it from {min_speedup:g}x)",
     )
 
 
@@ -262,6 +265,8 @@ def resolve_precision(
     device: str = "cpu",
     flags: Iterable[str] | None = None,
     measure: Callable[[], Timings] | None = None,
+    purpose: str = "training",
+    min_speedup: float = MIN_SPEEDUP,
 ) -> PrecisionChoice:
     """The precision a run on ``device`` trains in (:func:`decide_precision`).
 
@@ -269,7 +274,10 @@ def resolve_precision(
     ``fp32``/``bf16`` request wins over it); otherwise, on a CPU with bf16 units, it measures
     once per :func:`decision_key` (``measure``, default :func:`micro_benchmark`; stored in
     ``$SCPDR_HOME/kernels/precision.choices.json``: delete it to measure again); ``flags``
-    replaces the CPU's own (``/proc/cpuinfo``)."""
+    replaces the CPU's own (``/proc/cpuinfo``). ``purpose`` other than ``training`` (the
+    decoding precision, :func:`scpdr.serve.precision.resolve_decode_precision`) is a separate
+    decision, stored under ``"<purpose>|"`` + the key, with its own ``measure`` and
+    ``min_speedup``."""
     requested = _check(requested)
     device_type = "cuda" if str(device).startswith("cuda") else "cpu"
     forced = env_precision() if requested == "auto" else None
@@ -287,22 +295,27 @@ def resolve_precision(
         return decide_precision(
             requested, device_type="cuda", cuda_bf16=bool(torch.cuda.is_bf16_supported())
         )
+    if measure is None and purpose != "training":
+        raise ValueError(f"the {purpose} precision needs its own micro-benchmark (measure=)")
     units = bf16_units(cpu_flags() if flags is None else flags)
     if not units:
         return decide_precision(requested, device_type="cpu", units=units)
     from scpdr.kernels.build import measured_choice
 
     model = cpu_model_name()
+    key = decision_key(model) if purpose == "training" else f"{purpose}|{decision_key(model)}"
     choice = measured_choice(
         _cache_file(),
-        decision_key(model),
+        key,
         measure or micro_benchmark,
         describe=lambda c: (
-            f"training precision on {model} ({', '.join(units)}): "
+            f"{purpose} precision on {model} ({', '.join(units)}): "
             + ", ".join(f"bf16 {f / b:.2g}x fp32 {what}" for what, b, f in c.timings if b > 0)
             + (": bf16 used" if c.use_kernel else ": fp32 used")
         ),
-        min_speedup=MIN_SPEEDUP,
+        min_speedup=min_speedup,
         reason="bf16 against fp32",
     )
-    return decide_precision(requested, device_type="cpu", units=units, timings=choice.timings)
+    return decide_precision(
+        requested, device_type="cpu", units=units, timings=choice.timings, min_speedup=min_speedup
+    )

@@ -1,0 +1,109 @@
+"""The decoding precision of ``scpdr serve --precision auto`` on CPU (scpdr.serve.precision):
+bf16 base weights only where the CPU has bf16 units and they are measured faster at batch 1
+*and* 8; measured once per CPU model and kernel build, apart from the training precision."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scpdr import kernels
+from scpdr.serve.config import ServeConfig
+from scpdr.serve.precision import (
+    MIN_SPEEDUP,
+    decode_micro_benchmark,
+    measure_bytes,
+    resolve_decode_precision,
+)
+from scpdr.training.precision import resolve_precision
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+UNITS = ["avx2", "avx512_bf16"]
+
+
+def _timings(b1: float, b8: float):
+    """bf16 ``b1``x / ``b8``x faster than fp32 at batch 1 / 8."""
+    return [("decode step at batch 1", 1.0, b1), ("decode step at batch 8", 1.0, b8)]
+
+
+def _never():
+    raise AssertionError("measured")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh SCPDR_HOME, the suite's SCPDR_PRECISION=fp32 lifted, no remembered decisions."""
+    monkeypatch.setenv("SCPDR_HOME", str(tmp_path))
+    monkeypatch.delenv("SCPDR_PRECISION", raising=False)
+    kernels.reset()
+    yield tmp_path
+    kernels.reset()
+
+
+def test_auto_needs_the_gain_at_both_batch_sizes(home):
+    """The measured case: AMD Zen 4 (bf16 1.31x at batch 1, 0.94x at batch 8) keeps fp32."""
+    c = resolve_decode_precision("auto", flags=UNITS, measure=lambda: _timings(1.31, 0.94))
+    assert c.precision == "fp32" and "0.94x" in c.reason and f"{MIN_SPEEDUP:g}x" in c.reason
+
+
+def test_auto_takes_bf16_when_faster_everywhere_once_per_build(home):
+    """Intel Xeon with AMX (1.49x / 1.39x): bf16, stored, read back without measuring; a
+    separate decision per kernel build and apart from the training precision's."""
+    first = resolve_decode_precision("auto", flags=UNITS, measure=lambda: _timings(1.49, 1.39))
+    assert first.bf16 and "1.4x faster" in first.reason
+    kernels.reset()  # a new process reads it back
+    assert resolve_decode_precision("auto", flags=UNITS, measure=_never) == first
+    with kernels.using_target("x86-64-v3"):  # the AVX2 build measures for itself
+        assert not resolve_decode_precision(
+            "auto", flags=UNITS, measure=lambda: _timings(1.0, 1.0)
+        ).bf16
+    training = resolve_precision("auto", flags=UNITS, measure=lambda: [("mm", 1.0, 1.0)])
+    assert training.precision == "fp32"  # not the decoding decision
+    [stored] = (home / "kernels").glob("precision*.json")
+    heads = sorted(k.split("|")[0] for k in json.loads(stored.read_text()))
+    decoding = [h for h in heads if h.startswith("decoding")]
+    assert decoding == ["decoding (native build)", "decoding (x86-64-v3 build)"]
+    assert len(heads) == 3  # and the training key (the CPU model first)
+
+
+def test_nothing_is_measured_without_bf16_units_or_for_an_explicit_precision(home):
+    assert resolve_decode_precision("auto", flags=["avx2", "fma"], measure=_never).precision == (
+        "fp32"
+    )
+    assert resolve_decode_precision("bf16", flags=UNITS, measure=_never).bf16
+    assert resolve_decode_precision("fp32", flags=UNITS, measure=_never).precision == "fp32"
+    assert resolve_decode_precision("auto", device="cuda", measure=_never).bf16 == (
+        torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    )
+
+
+def test_serve_auto_follows_the_decision_and_cuda_keeps_its_default(home, monkeypatch):
+    monkeypatch.setenv("SCPDR_PRECISION", "bf16")  # replaces the measurement
+    assert ServeConfig().model_dtype("cpu") is torch.bfloat16
+    assert ServeConfig(precision="fp32").model_dtype("cpu") is torch.float32  # explicit wins
+    assert ServeConfig().model_dtype("cuda") is None  # from_bundle's CUDA default: bf16
+    monkeypatch.setenv("SCPDR_PRECISION", "fp32")
+    assert ServeConfig().model_dtype("cpu") is None  # the checkpoint's float32
+    assert ServeConfig(precision="bf16").model_dtype("cpu") is torch.bfloat16
+
+
+@pytest.mark.parametrize("side", ["kernel", "torch"])
+def test_micro_benchmark_times_a_decode_step_at_batch_1_and_8(side):
+    """Both ways a stack runs bf16 weights: bf16 panels on the packed kernel, or torch's bf16
+    layers where the kernel is not used; finite, positive times for both batch sizes."""
+    if side == "kernel" and not (kernels.gemm.library() and kernels.gemm.library().tiled):
+        pytest.skip("no C compiler: no packed kernel here")
+    with kernels.force("packed_gemm", side):
+        timings = decode_micro_benchmark(repeats=1, weight_bytes=4 << 20)
+    assert [w for w, _, _ in timings] == [
+        "decode step at batch 1 (3 rows)",
+        "decode step at batch 8 (24 rows)",
+    ]
+    assert all(b > 0 and f > 0 for _, b, f in timings)
+
+
+def test_the_benchmark_streams_more_than_the_cache():
+    assert 256 << 20 <= measure_bytes() <= 1 << 30
