@@ -21,7 +21,7 @@ AMX, but 1.31x / 0.94x on an AMD EPYC (Zen 4): a step of 24 rows was slower ther
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -141,7 +141,7 @@ def resolve_decode_precision(
     *,
     device: str = "cpu",
     flags: Iterable[str] | None = None,
-    measure=None,
+    measure: Callable[[], Timings] | None = None,
 ) -> PrecisionChoice:
     """The base weights' precision for decoding on ``device`` (module docstring): ``fp32`` or
     ``bf16`` as asked; ``auto`` measured on a CPU with bf16 units (``measure``, default
