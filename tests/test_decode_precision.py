@@ -106,4 +106,4 @@ def test_micro_benchmark_times_a_decode_step_at_batch_1_and_8(side):
 
 
 def test_the_benchmark_streams_more_than_the_cache():
-    assert 256 << 20 <= measure_bytes() <= 1 << 30
+    assert 256 << 20 <= measure_bytes() <= 512 << 20
