@@ -27,8 +27,8 @@
 
 #if defined(__AVX512F__)
 #define VBYTES 64
-#define TI 4
-#define TQ 6
+#define TI 6 /* 24 accumulators, 6 + 1 loads: 6 x 4 was 8% faster than 4 x 6 on Zen 4 */
+#define TQ 4
 #define ISA_NAME "avx512"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VBYTES 32
@@ -61,25 +61,54 @@ int64_t scpdr_cp_fuse_max_power(void) { return MAX_POW; }
 #include "fast_math.h" /* fmx, fmn, vexpf (after the pragmas above, as the kernel) */
 
 /* acc[i][q][lane] += sum_t U[i][t] W[q][t] over the tokens t = lane (mod LANES), t < len (a
-   multiple of LANES), for the TI x TQ tile at (i0, q0); rows of U and W are BLOCK floats apart. */
-static void tile(const float *u, const float *w, int64_t len, int64_t i0, int64_t q0,
-                 int64_t nq_pad, double *acc) {
+   multiple of LANES), for the ti x tq tile at (i0, q0); rows of U and W are BLOCK floats apart.
+   Inlined with constant ti <= TI, tq <= TQ (tile_at): the full tile inside the grid, smaller
+   ones at its edges, so that no padded power is multiplied (the default lattice's 11 x 33 sums
+   padded to 12 x 36 were 19% more multiply-adds). Every sum runs over the tokens in the same
+   order whatever the tile: the bits do not depend on the tiling. */
+static inline __attribute__((always_inline)) void tile(const float *u, const float *w,
+                                                       int64_t len, int64_t i0, int64_t q0,
+                                                       int64_t nq_pad, double *acc, const int ti,
+                                                       const int tq) {
     vf a[TI][TQ];
-    for (int i = 0; i < TI; i++)
-        for (int q = 0; q < TQ; q++) a[i][q] = (vf){0};
+    for (int i = 0; i < ti; i++)
+        for (int q = 0; q < tq; q++) a[i][q] = (vf){0};
     for (int64_t t = 0; t < len; t += LANES) {
         vf uu[TI];
-        for (int i = 0; i < TI; i++) uu[i] = *(const vf *)(u + (i0 + i) * BLOCK + t);
-        for (int q = 0; q < TQ; q++) {
+        for (int i = 0; i < ti; i++) uu[i] = *(const vf *)(u + (i0 + i) * BLOCK + t);
+        for (int q = 0; q < tq; q++) {
             const vf ww = *(const vf *)(w + (q0 + q) * BLOCK + t);
-            for (int i = 0; i < TI; i++) a[i][q] += uu[i] * ww;
+            for (int i = 0; i < ti; i++) a[i][q] += uu[i] * ww;
         }
     }
-    for (int i = 0; i < TI; i++) /* lane by lane into doubles (vectorized conversions) */
-        for (int q = 0; q < TQ; q++) {
+    for (int i = 0; i < ti; i++) /* lane by lane into doubles (vectorized conversions) */
+        for (int q = 0; q < tq; q++) {
             double *d = acc + ((i0 + i) * nq_pad + q0 + q) * LANES;
             for (int l = 0; l < LANES; l++) d[l] += (double)a[i][q][l];
         }
+}
+
+/* The ti x tq tile, each size (up to 6 x 6, clamped to TI x TQ) compiled on its own. */
+#define TILE(I, Q) tile(u, w, len, i0, q0, nq_pad, acc, (I) < TI ? (I) : TI, (Q) < TQ ? (Q) : TQ)
+#define TILE_Q(I)                                                                              \
+    switch (tq) {                                                                              \
+    case 1: TILE(I, 1); return;                                                                \
+    case 2: TILE(I, 2); return;                                                                \
+    case 3: TILE(I, 3); return;                                                                \
+    case 4: TILE(I, 4); return;                                                                \
+    case 5: TILE(I, 5); return;                                                                \
+    default: TILE(I, 6); return;                                                               \
+    }
+static void tile_at(const float *u, const float *w, int64_t len, int64_t i0, int64_t q0,
+                    int64_t nq_pad, double *acc, int ti, int tq) {
+    switch (ti) {
+    case 1: TILE_Q(1)
+    case 2: TILE_Q(2)
+    case 3: TILE_Q(3)
+    case 4: TILE_Q(4)
+    case 5: TILE_Q(5)
+    default: TILE_Q(6)
+    }
 }
 
 /* lp: (2, n, v) float32 log-probs; step > 0; ni, nj in 1..MAX_POW (powers 0..ni-1, 0..nj-1);
@@ -143,8 +172,10 @@ int cp_fuse_stats_f32(const float *restrict lp, int64_t n, int64_t v, float step
                     c2[t] = wj[t] * b[t];
                 }
             }
-            for (int64_t i0 = 0; i0 < ni_pad; i0 += TI)
-                for (int64_t q0 = 0; q0 < nq_pad; q0 += TQ) tile(u, w, len_pad, i0, q0, nq_pad, acc);
+            for (int64_t i0 = 0; i0 < ni; i0 += TI)
+                for (int64_t q0 = 0; q0 < nq; q0 += TQ)
+                    tile_at(u, w, len_pad, i0, q0, nq_pad, acc, (int)(ni - i0 < TI ? ni - i0 : TI),
+                            (int)(nq - q0 < TQ ? nq - q0 : TQ));
         }
         double *o = out + row * ni * nq;
         for (int64_t i = 0; i < ni; i++)
