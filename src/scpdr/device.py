@@ -1,6 +1,7 @@
 """Where models run: the one ``--device`` / ``device:`` spelling of the library (``cpu``,
-``cuda``, ``cuda:N``; default: ``$SCPDR_DEVICE``, else cuda when torch sees one), shared by ``scpdr train``, ``scpdr eval``,
-``scpdr serve`` and the experiment's stages, and the precision that goes with it.
+``cuda``, ``cuda:N``; default: ``$SCPDR_DEVICE``, else cuda when torch sees one), shared by
+``scpdr train``, ``scpdr eval``, ``scpdr serve`` and the experiment's stages, and the precision
+that goes with it.
 
 On CUDA models are loaded in bf16 (:func:`model_dtype`); the aggregation of the constituents'
 distributions (paper Def. 3.1, Alg. 1) stays in fp32 whatever the models' dtype, as on CPU. The C
