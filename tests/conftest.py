@@ -14,6 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Training precision: `auto` would measure bf16 against fp32 on the machine (and pick either);
 # the tests train in fp32 everywhere, and those of `auto` unset this or inject flags and timings.
 os.environ["SCPDR_PRECISION"] = "fp32"
+os.environ["SCPDR_DECODE_PRECISION"] = "fp32"  # serve's --precision auto on CPU, likewise
 # The default device: the CPU tests compare with CPU references, also on a machine with a GPU
 # (where the library's default is cuda; tests/gpu clears this to test that default).
 os.environ["SCPDR_DEVICE"] = "cpu"

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scpdr.device import check_device, cuda_index, is_cuda, model_dtype, resolve_device
+from scpdr.device import (
+    check_device,
+    cuda_index,
+    device_source,
+    is_cuda,
+    model_dtype,
+    resolve_device,
+)
 from scpdr.errors import ConfigError
 
 
@@ -46,6 +53,11 @@ def test_scpdr_device_is_the_default_and_an_explicit_device_wins(monkeypatch):
         resolve_device(None)
     monkeypatch.setenv("SCPDR_DEVICE", "")  # empty: as if unset
     assert resolve_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+    # where a device came from, for messages
+    assert device_source(None) == (None, "the default device")
+    assert device_source("cpu", option="device:") == ("cpu", "device:")
+    monkeypatch.setenv("SCPDR_DEVICE", "cuda:1")
+    assert device_source(None) == ("cuda:1", "SCPDR_DEVICE")
 
 
 def test_serve_uses_the_same_resolver():

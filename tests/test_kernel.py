@@ -422,6 +422,18 @@ def test_the_gemm_choice_is_measured_logged_and_remembered(fresh, caplog):
     step=st.sampled_from([0.1, 0.2, 0.5]),
 )
 def test_cp_fuse_statistics_equal_float64_sums(seed, rows, vocab, ni, nj, step):
+    _check_cp_fuse_statistics(seed, rows, vocab, ni, nj, step)
+
+
+@pytest.mark.parametrize("ni", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 32])
+@pytest.mark.parametrize("nj", [1, 2, 3, 5, 11, 32])
+def test_cp_fuse_statistics_at_every_tile_edge(ni, nj):
+    """Every remainder of the lattice's 3·nj x ni sums against each ISA's register tile (the
+    edge tiles are smaller tiles, not padding), the default 11 x 11 and the largest, 32 x 32."""
+    _check_cp_fuse_statistics(ni * 100 + nj, 2, 300, ni, nj, 0.2)
+
+
+def _check_cp_fuse_statistics(seed, rows, vocab, ni, nj, step):
     lib = kernels.cp_fuse.library()
     assert lib is not None
     g = torch.Generator().manual_seed(seed)

@@ -25,6 +25,7 @@ __all__ = [
     "ENV_DEVICE",
     "check_device",
     "cuda_index",
+    "device_source",
     "is_cuda",
     "model_dtype",
     "resolve_device",
@@ -85,6 +86,15 @@ def resolve_device(device: str | None, *, option: str = "--device") -> str:
                 f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
             )
     return device
+
+
+def device_source(device: str | None, *, option: str = "--device") -> tuple[str | None, str]:
+    """``(the device asked for, where it came from)`` for messages: ``device`` and ``option``,
+    else ``$SCPDR_DEVICE`` and its name, else ``(None, "the default device")``."""
+    if device is not None:
+        return device, option
+    env = os.environ.get(ENV_DEVICE, "").strip()
+    return (env, ENV_DEVICE) if env else (None, "the default device")
 
 
 def is_cuda(device: str | torch.device | None) -> bool:

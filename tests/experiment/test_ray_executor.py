@@ -130,12 +130,17 @@ def test_unknown_executor_and_address_without_ray_are_errors():
         make_executor("local", address="auto")
 
 
-def test_a_ray_run_rejects_a_pinned_gpu(cluster, tmp_path):
-    """Under Ray every task gets its own GPU: `device: cuda:1` is an error before any stage."""
+def test_a_ray_run_rejects_a_pinned_gpu(cluster, tmp_path, monkeypatch):
+    """Under Ray every task gets its own GPU: `device: cuda:1` (or SCPDR_DEVICE=cuda:1 with no
+    device: in the config) is an error before any stage."""
     from scpdr.errors import ConfigError
     from scpdr.experiment import load_config, make_executor, run_experiment
 
     cfg = load_config(TINY).model_copy(update={"device": "cuda:1"})
     with pytest.raises(ConfigError, match="use device: cuda"):
+        run_experiment(cfg, tmp_path, progress=False, executor=make_executor("ray"))
+    monkeypatch.setenv("SCPDR_DEVICE", "cuda:1")
+    cfg = load_config(TINY).model_copy(update={"device": None})
+    with pytest.raises(ConfigError, match=r"SCPDR_DEVICE cuda:1 pins one GPU.*SCPDR_DEVICE=cuda"):
         run_experiment(cfg, tmp_path, progress=False, executor=make_executor("ray"))
     assert not (tmp_path / "stages").exists()

@@ -295,9 +295,9 @@ def load_scorers(
     (:meth:`BundleScorers.reference_of`). ``singles``: training-time baselines evaluated as one
     model, ``{row name: model dir}``. A "retrained" row (:data:`scpdr.methods.RETRAINED_METHODS`,
     e.g. SCP-Δr-b over DP-trained constituents) runs its rule over the bundle at ``path``: pass
-    the bundle of those constituents. ``device``: cpu, cuda or cuda:N (default: ``$SCPDR_DEVICE``,
-    else cuda when available; on CUDA the models load in bf16 unless ``dtype`` says otherwise, and the
-    aggregation stays fp32). Raises :class:`~scpdr.methods.UnknownMethodError` for an
+    the bundle of those constituents. ``device``: cpu, cuda or cuda:N (default:
+    ``$SCPDR_DEVICE``, else cuda when available; on CUDA the models load in bf16 unless ``dtype``
+    says otherwise, and the aggregation stays fp32). Raises :class:`~scpdr.methods.UnknownMethodError` for an
     unknown method and :class:`ConfigError` when the bundle lacks a base a method needs — before
     any model loads."""
     return BundleScorers(

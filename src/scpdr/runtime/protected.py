@@ -219,10 +219,11 @@ class ProtectedLM:
         runs the base model ('b'); ``base="constant"`` uses the stored constant vector ('c').
         Only the models the method needs are loaded ("none": constituent 0; no base for
         non-SCP methods); LoRA bundles run on the shared-base fast path (:attr:`fast_path`).
-        ``device``: cpu, cuda or cuda:N (default: ``$SCPDR_DEVICE``, else cuda when available; :mod:`scpdr.device`); on
-        CUDA the models load in bf16 unless ``dtype`` says otherwise, and the aggregation stays
-        float32; ``dtype=torch.bfloat16`` on CPU runs a LoRA bundle's base with bf16 weights on
-        the packed kernel, computing in float32 (:class:`scpdr.lora.StackedLoRA`). Raises
+        ``device``: cpu, cuda or cuda:N (default: ``$SCPDR_DEVICE``, else cuda when available;
+        :mod:`scpdr.device`); on CUDA the models load in bf16 unless ``dtype`` says otherwise,
+        and the aggregation stays float32; ``dtype=torch.bfloat16`` on CPU runs a LoRA bundle's
+        base with bf16 weights on the packed kernel, computing in float32
+        (:class:`scpdr.lora.StackedLoRA`). Raises
         BundleError for missing/inconsistent files, ValueError for bad arguments (a
         :class:`~scpdr.errors.ConfigError` for an unavailable device).
         """

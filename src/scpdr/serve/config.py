@@ -250,7 +250,7 @@ class ServeConfig:
         """The ``dtype`` for ``ProtectedLM.from_bundle`` on ``device``: torch's float32 or
         bfloat16 as asked; for ``auto`` None on CUDA (the device's default, bf16) and on CPU
         bfloat16 where :func:`scpdr.serve.precision.resolve_decode_precision` picks it
-        (measured once per CPU model; ``$SCPDR_PRECISION`` replaces it), else None (the
+        (measured once per CPU model; ``$SCPDR_DECODE_PRECISION`` replaces it), else None (the
         checkpoint's float32). The CPU's choice and its reason are logged at INFO."""
         import torch
 

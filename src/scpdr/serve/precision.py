@@ -8,14 +8,17 @@
 - ``auto``: bf16 where the CPU reports bf16 units (``amx_bf16``, ``avx512_bf16``) *and*
   :func:`decode_micro_benchmark` finds the bf16 weights at least :data:`MIN_SPEEDUP` times
   faster at the decode steps of batch 1 and of batch 8, else fp32. Measured once per CPU model,
-  torch version, thread count and kernel build, with the training precision's machinery
-  (:func:`scpdr.training.precision.resolve_precision`, stored in
-  ``$SCPDR_HOME/kernels/precision.choices.json`` under ``decoding|...``);
-  ``$SCPDR_PRECISION=fp32|bf16`` replaces the decision without measuring.
+  torch version, thread count, kernel build and packed-GEMM switch, with the training
+  precision's machinery (:func:`scpdr.training.precision.resolve_precision`, stored in
+  ``$SCPDR_HOME/kernels/precision.choices.json`` under ``decoding (...)|...``);
+  ``$SCPDR_DECODE_PRECISION=fp32|bf16`` (:data:`ENV`) replaces the decision without measuring
+  (training's ``$SCPDR_PRECISION`` does not: a faster training step is no reason to serve
+  bf16-rounded weights).
 
 Why measured, not assumed (``docs/performance.md``): decoding SmolLM2-135M with two rank-64
-adapters, the bf16 base weights were 1.49x / 1.39x faster at batch 1 / 8 on an Intel Xeon with
-AMX, but 1.31x / 0.94x on an AMD EPYC (Zen 4): a step of 24 rows was slower there.
+adapters (``bench_lora``), the bf16 base weights were 1.49x / 1.39x faster at batch 1 / 8 on an
+Intel Xeon with AMX, but 1.31x / 0.94x on an AMD EPYC (Zen 4): a step of 24 rows was slower
+there. (This micro-benchmark itself has run on the AMD host only: fp32 there.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from scpdr.training.precision import PrecisionChoice, Timings, resolve_precision
 
 __all__ = [
     "DECODE_SHAPES",
+    "ENV",
     "MIN_SPEEDUP",
     "decode_micro_benchmark",
     "measure_bytes",
@@ -39,6 +43,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Environment variable that sets what ``auto`` resolves to for decoding (``fp32``, ``bf16``).
+ENV = "SCPDR_DECODE_PRECISION"
 #: ``auto`` takes bf16 weights from this speedup at both batch sizes: they change the served
 #: model (bf16-rounded weights), worth it for a clear gain, not for noise.
 MIN_SPEEDUP = 1.1
@@ -75,8 +81,9 @@ def _last_level_cache() -> int | None:
 
 def measure_bytes() -> int:
     """The float32 weight bytes the micro-benchmark streams per step: twice the last-level cache,
-    within [256 MiB, 512 MiB] — a model's decode step reads every weight once, from memory, and
-    the bf16 gain is the bytes it saves; a cache-resident benchmark would not see it."""
+    within [256 MiB, 512 MiB] (at least 1.6x the largest L3 we know of) — a model's decode step
+    reads every weight once, from memory, and the bf16 gain is the bytes it saves; a
+    cache-resident benchmark would not see it."""
     llc = _last_level_cache() or 0
     return max(_MIN_BYTES, min(_MAX_BYTES, 2 * llc))
 
@@ -146,15 +153,18 @@ def resolve_decode_precision(
     """The base weights' precision for decoding on ``device`` (module docstring): ``fp32`` or
     ``bf16`` as asked; ``auto`` measured on a CPU with bf16 units (``measure``, default
     :func:`decode_micro_benchmark`), bf16 on a GPU that supports it. Logged once at INFO. The
-    decision is the kernel build's (:func:`scpdr.kernels.default_target`): the AVX2 build may
-    choose otherwise than the native one."""
-    from scpdr.kernels import default_target
+    decision is the kernel build's (:func:`scpdr.kernels.default_target`) under the packed
+    GEMM's switch (``SCPDR_GEMM_KERNEL``): the AVX2 build, or torch's layers, may choose
+    otherwise than the native kernel."""
+    from scpdr import kernels
 
+    gemm = kernels.policy(kernels.gemm.NAME)
     return resolve_precision(
         requested,
         device=device,
         flags=flags,
         measure=measure or decode_micro_benchmark,
-        purpose=f"decoding ({default_target()} build)",
+        purpose=f"decoding ({kernels.default_target()} build, packed GEMM {gemm})",
         min_speedup=MIN_SPEEDUP,
+        env=ENV,
     )

@@ -92,8 +92,8 @@ def finetune(
             and ``train_info.json`` (config, seeds, losses, time, data hash).
         overwrite: replace an existing ``out`` trained with different settings.
         callbacks: extra ``transformers.TrainerCallback`` objects.
-        device: ``cpu``, ``cuda`` or ``cuda:N`` (default: ``$SCPDR_DEVICE``, else cuda when available); under
-            ``accelerate launch`` each process uses its rank's device
+        device: ``cpu``, ``cuda`` or ``cuda:N`` (default: ``$SCPDR_DEVICE``, else cuda when
+            available); under ``accelerate launch`` each process uses its rank's device
             (:mod:`scpdr.training.placement`). An 8-bit optimizer falls back to ``adamw_torch``
             where it cannot run (recorded in ``train_info.json``).
 

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from scpdr.device import cuda_index, is_cuda, resolve_device
+from scpdr.device import cuda_index, device_source, is_cuda, resolve_device
 from scpdr.errors import ConfigError
 
 __all__ = [
@@ -116,8 +116,8 @@ def main_process_first() -> Iterator[None]:
 
 
 def training_device(device: str | None) -> str:
-    """``device`` resolved (default: ``$SCPDR_DEVICE``, else cuda when available); under a launcher a pinned GPU is an
-    error (each process trains on the GPU of its local rank).
+    """``device`` resolved (default: ``$SCPDR_DEVICE``, else cuda when available); under a
+    launcher a pinned GPU is an error (each process trains on the GPU of its local rank).
 
     Raises:
         ConfigError: a bad or unavailable device, or ``cuda:N`` under several processes.
@@ -125,17 +125,18 @@ def training_device(device: str | None) -> str:
     resolved = resolve_device(device)
     if not launched():
         return resolved
+    _, source = device_source(device)
     if cuda_index(resolved) is not None:
         raise ConfigError(
-            f"--device {resolved}: under accelerate launch each process trains on the GPU of its "
-            "rank; pass --device cuda (choose the GPUs with CUDA_VISIBLE_DEVICES or "
+            f"{source} {resolved}: under accelerate launch each process trains on the GPU of its "
+            f"rank; set {source} to cuda (choose the GPUs with CUDA_VISIBLE_DEVICES or "
             "accelerate's --gpu_ids)"
         )
     if is_cuda(resolved) == _on_cpu():
         where = "CPU" if _on_cpu() else "GPUs"
         raise ConfigError(
-            f"--device {resolved}: the launched processes train on {where} (accelerate launch's "
-            "--cpu decides); drop --device or launch accordingly"
+            f"{source} {resolved}: the launched processes train on {where} (accelerate launch's "
+            f"--cpu decides); change {source} or launch accordingly"
         )
     return resolved
 

@@ -239,14 +239,14 @@ def _cache_file() -> Path:
     return cache_dir() / _CHOICES_FILE
 
 
-def env_precision() -> str | None:
-    """``$SCPDR_PRECISION`` (:data:`ENV`): ``fp32`` or ``bf16`` replace ``auto``'s decision;
-    unset, empty or ``auto``: ``None``."""
-    value = os.environ.get(ENV, "").strip().lower()
+def env_precision(env: str = ENV) -> str | None:
+    """``$SCPDR_PRECISION`` (:data:`ENV`, or the variable ``env``): ``fp32`` or ``bf16``
+    replace ``auto``'s decision; unset, empty or ``auto``: ``None``."""
+    value = os.environ.get(env, "").strip().lower()
     if value in ("", "auto"):
         return None
     if value not in ("fp32", "bf16"):
-        raise ConfigError(f"{ENV} must be auto, fp32 or bf16, got {value!r}")
+        raise ConfigError(f"{env} must be auto, fp32 or bf16, got {value!r}")
     return value
 
 
@@ -267,6 +267,7 @@ def resolve_precision(
     measure: Callable[[], Timings] | None = None,
     purpose: str = "training",
     min_speedup: float = MIN_SPEEDUP,
+    env: str = ENV,
 ) -> PrecisionChoice:
     """The precision a run on ``device`` trains in (:func:`decide_precision`).
 
@@ -276,16 +277,16 @@ def resolve_precision(
     ``$SCPDR_HOME/kernels/precision.choices.json``: delete it to measure again); ``flags``
     replaces the CPU's own (``/proc/cpuinfo``). ``purpose`` other than ``training`` (the
     decoding precision, :func:`scpdr.serve.precision.resolve_decode_precision`) is a separate
-    decision, stored under ``"<purpose>|"`` + the key, with its own ``measure`` and
-    ``min_speedup``."""
+    decision, stored under ``"<purpose>|"`` + the key, with its own ``measure``,
+    ``min_speedup`` and environment variable ``env``."""
     requested = _check(requested)
     device_type = "cuda" if str(device).startswith("cuda") else "cpu"
-    forced = env_precision() if requested == "auto" else None
+    forced = env_precision(env) if requested == "auto" else None
     if forced is not None:
         units = bf16_units(cpu_flags() if flags is None else flags)
         chosen = decide_precision(forced, device_type=device_type, units=units)
         _, sep, rest = chosen.reason.partition(";")  # bf16 without units: says it is emulated
-        return PrecisionChoice(forced, requested, f"{ENV}={forced}{sep}{rest}")
+        return PrecisionChoice(forced, requested, f"{env}={forced}{sep}{rest}")
     if requested != "auto":
         units = bf16_units(cpu_flags() if flags is None else flags)
         return decide_precision(requested, device_type=device_type, units=units)

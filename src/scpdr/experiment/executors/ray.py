@@ -18,7 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from scpdr.device import cuda_index
+from scpdr.device import check_device, cuda_index, device_source
 from scpdr.errors import ConfigError, missing_dependency
 from scpdr.experiment.cache import Stage, StageOutcome
 from scpdr.experiment.executors.base import Advance, StageJob
@@ -84,10 +84,12 @@ class RayExecutor:
         advance: Advance,
         done: Mapping[str, StageOutcome] | None = None,
     ) -> dict[str, StageOutcome]:
-        if cuda_index(job.config.device) is not None:
+        device, source = device_source(job.config.device, option="device:")
+        if cuda_index(check_device(device, option=source)) is not None:
+            fix = "device: cuda" if source == "device:" else f"{source}=cuda"
             raise ConfigError(
-                f"device: {job.config.device} pins one GPU, but under --executor ray each task "
-                "gets its own (resources: {train: {num_gpus: 1}}); use device: cuda"
+                f"{source} {device} pins one GPU, but under --executor ray each task "
+                f"gets its own (resources: {{train: {{num_gpus: 1}}}}); use {fix}"
             )
         outcomes = dict(done or {})
         for stage in graph.order:
