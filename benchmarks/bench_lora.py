@@ -392,7 +392,8 @@ def served_default(targets, ratios, bf16w, batch_sizes, *, no_bf16: bool) -> dic
     """Per build, what ``scpdr serve --precision auto`` decodes with on this CPU (the decoding
     precision, measured once per CPU model: :mod:`scpdr.serve.precision`), why, and that row's
     ratios to HF generate (the float32 row's or the bf16-weight row's; None for bf16 under
-    ``--no-bf16``)."""
+    ``--no-bf16``). Decided at this benchmark's thread count, which is part of the decision's
+    key: a server on another thread count measures for itself."""
     from scpdr import kernels
     from scpdr.serve.precision import resolve_decode_precision
 
