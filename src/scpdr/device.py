@@ -70,9 +70,9 @@ def resolve_device(device: str | None, *, option: str = "--device") -> str:
 
     device = check_device(device, option=option)
     if device is None:
-        env = os.environ.get(ENV_DEVICE, "").strip()
-        if env:
-            return resolve_device(env, option=ENV_DEVICE)
+        env, source = device_source(None)
+        if env is not None:
+            return resolve_device(env, option=source)
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():

@@ -47,6 +47,8 @@ __all__ = [
     "in_chunks",
     "packable",
     "source_weight",
+    "synthetic_layer",
+    "time_layers",
 ]
 
 #: Row counts (stacked batch x tokens) up to which the base matmul of a wrapped linear runs as
@@ -363,17 +365,50 @@ class StackedLoraLinear(nn.Module):
 # kernel or torch: measured on the model's shapes
 
 
-def _synthetic(shape: tuple[int, int, int], lora: int, gemm: GemmLibrary | None):
-    """A :class:`StackedLoraLinear` of ``(in, out, rank)`` with constant weights (their values
-    do not change the speed), packed for ``gemm`` or on torch's layout."""
+def synthetic_layer(
+    shape: tuple[int, int, int],
+    lora: int,
+    gemm: GemmLibrary | None,
+    *,
+    groups: int,
+    dtype: torch.dtype = torch.float32,
+    weight_dtype: torch.dtype = torch.float32,
+) -> StackedLoraLinear:
+    """A :class:`StackedLoraLinear` of ``(in, out, rank)`` with ``lora`` adapters and constant
+    weights (their values do not change the speed), seeing ``groups`` stacked groups: packed
+    for ``gemm`` (base panels in ``weight_dtype``) or on torch's layout in ``dtype``. What the
+    kernel/torch and decoding-precision measurements time."""
     n_in, n_out, rank = shape
-    layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False)
+    layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, dtype=dtype)
     layer.weight.requires_grad_(False).fill_(0.01)
     a = b = None
     if rank:
-        a = torch.full((lora, n_in, rank), 0.01)
-        b = torch.full((lora, rank, n_out), 0.01)
-    return StackedLoraLinear(layer, a, b, GroupMode(), gemm=gemm)
+        a = torch.full((lora, n_in, rank), 0.01, dtype=dtype)
+        b = torch.full((lora, rank, n_out), 0.01, dtype=dtype)
+    mode = GroupMode()
+    mode.stacked = groups
+    return StackedLoraLinear(layer, a, b, mode, gemm=gemm, weight_dtype=weight_dtype)
+
+
+def time_layers(
+    sides: dict[str, tuple[list[StackedLoraLinear], torch.dtype]], rows: int, *, repeats: int
+) -> dict[str, float]:
+    """Median seconds of one pass of each side's layers over ``rows`` input rows of the side's
+    dtype, the sides timed round-robin (:func:`scpdr.kernels.interleaved_medians`)."""
+    xs = {
+        side: {lin.in_features: torch.full((rows, lin.in_features), 0.5, dtype=dtype)
+               for lin in layers}
+        for side, (layers, dtype) in sides.items()
+    }  # fmt: skip
+
+    def run(side: str) -> None:
+        for lin in sides[side][0]:
+            lin(xs[side][lin.in_features])
+
+    with torch.inference_mode():
+        return kernels.interleaved_medians(
+            {side: (lambda s=side: run(s)) for side in sides}, repeats=repeats
+        )
 
 
 def _measure(
@@ -382,23 +417,14 @@ def _measure(
     per_copy = sum(i * o * 4 for i, o, _ in shapes)
     copies = max(1, min(MEASURE_WEIGHT_BYTES // max(1, per_copy), 128 // len(shapes)))
     sides = {
-        "kernel": [_synthetic(s, lora, gemm) for _ in range(copies) for s in shapes],
-        "torch": [_synthetic(s, lora, None) for _ in range(copies) for s in shapes],
-    }
+        side: ([synthetic_layer(s, lora, g, groups=groups) for _ in range(copies) for s in shapes],
+               torch.float32)
+        for side, g in (("kernel", gemm), ("torch", None))
+    }  # fmt: skip
     out = []
     for per in MEASURE_ROWS_PER_GROUP:
         rows = groups * per
-        xs = {i: torch.full((rows, i), 0.5) for i in {s[0] for s in shapes}}
-
-        def run(layers: list[StackedLoraLinear], xs=xs) -> None:
-            for lin in layers:
-                lin._mode.stacked = groups
-                lin(xs[lin.in_features])
-
-        with torch.inference_mode():
-            med = kernels.interleaved_medians(
-                {side: (lambda ls=ls: run(ls)) for side, ls in sides.items()}, repeats=5
-            )
+        med = time_layers(sides, rows, repeats=5)
         out.append((f"at {rows} rows", med["kernel"], med["torch"]))
     return out
 

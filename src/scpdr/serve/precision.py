@@ -91,24 +91,17 @@ def measure_bytes() -> int:
 def _layers(copies: int, dtype: torch.dtype) -> tuple[list[nn.Module], torch.dtype]:
     """``copies`` x :data:`DECODE_SHAPES` stacked layers, built as :class:`StackedLoRA` builds
     them for a base in ``dtype``: on the packed kernel where the stack would use it (float32
-    or bf16 panels), else torch's layers in ``dtype``; and the dtype of their inputs. Constant
-    weights: values do not change the speed."""
-    from scpdr.lora.layers import GroupMode, StackedLoraLinear, choose_gemm
+    or bf16 panels), else torch's layers in ``dtype``; and the dtype of their inputs."""
+    from scpdr.lora.layers import choose_gemm, synthetic_layer
 
     gemm = choose_gemm(list(DECODE_SHAPES), groups=GROUPS, lora=LORA)
-    on_torch = torch.float32 if gemm is not None else dtype  # no kernel: torch's dtype
-    out = []
-    for _ in range(copies):
-        for n_in, n_out, rank in DECODE_SHAPES:
-            layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, dtype=on_torch)
-            layer.weight.requires_grad_(False).fill_(0.01)
-            a = torch.full((LORA, n_in, rank), 0.01, dtype=on_torch)
-            b = torch.full((LORA, rank, n_out), 0.01, dtype=on_torch)
-            mode = GroupMode()
-            mode.stacked = GROUPS
-            panels = dtype if gemm is not None else torch.float32
-            out.append(StackedLoraLinear(layer, a, b, mode, gemm=gemm, weight_dtype=panels))
-    return out, on_torch
+    on_torch, panels = (torch.float32, dtype) if gemm is not None else (dtype, torch.float32)
+    layers = [
+        synthetic_layer(s, LORA, gemm, groups=GROUPS, dtype=on_torch, weight_dtype=panels)
+        for _ in range(copies)
+        for s in DECODE_SHAPES
+    ]
+    return layers, on_torch
 
 
 def decode_micro_benchmark(*, repeats: int = 3, weight_bytes: int | None = None) -> Timings:
@@ -117,28 +110,15 @@ def decode_micro_benchmark(*, repeats: int = 3, weight_bytes: int | None = None)
     float32 base weights, base + 2 rank-64 adapters stacked (3·B rows), with float32 and with
     bf16 base weights as :class:`StackedLoRA` would run them here; medians of ``repeats``
     interleaved rounds."""
-    from scpdr.kernels.build import interleaved_medians
+    from scpdr.lora.layers import time_layers
 
     per_copy = sum(i * o * 4 for i, o, _ in DECODE_SHAPES)
     copies = max(1, (weight_bytes or measure_bytes()) // per_copy)
     sides = {"bf16": _layers(copies, torch.bfloat16), "fp32": _layers(copies, torch.float32)}
-    widths = {i for i, _, _ in DECODE_SHAPES}
     out = []
     for batch in BATCHES:
         rows = GROUPS * batch
-        xs = {
-            side: {i: torch.full((rows, i), 0.5, dtype=dtype) for i in widths}
-            for side, (_, dtype) in sides.items()
-        }
-
-        def run(side: str, xs=xs) -> None:
-            for lin in sides[side][0]:
-                lin(xs[side][lin.in_features])
-
-        with torch.inference_mode():
-            med = interleaved_medians(
-                {side: (lambda s=side: run(s)) for side in sides}, repeats=repeats
-            )
+        med = time_layers(sides, rows, repeats=repeats)
         out.append((f"decode step at batch {batch} ({rows} rows)", med["bf16"], med["fp32"]))
     return out
 
