@@ -58,13 +58,18 @@ def _same_rows(a: list[dict], b: list[dict]) -> None:
 def _markers(out: Path) -> dict[str, str]:
     """The finished stages under ``out``: marker path → its content (written once, when the
     stage finished: a re-run stage would rewrite it). A marker still in a ``.partial`` dir (the
-    run was killed before the rename) is no finished stage."""
-    markers = (out / "stages").rglob("_stage.json") if (out / "stages").is_dir() else ()
-    return {
-        str(p.relative_to(out)): p.read_text()
-        for p in markers
-        if not p.parent.name.endswith(".partial")
-    }
+    run was killed before the rename) is no finished stage. A running experiment renames its
+    ``.partial`` dirs while this walks them: a walk that meets a vanished path starts again."""
+    while True:
+        markers = (out / "stages").rglob("_stage.json") if (out / "stages").is_dir() else ()
+        try:
+            return {
+                str(p.relative_to(out)): p.read_text()
+                for p in markers
+                if not p.parent.name.endswith(".partial")
+            }
+        except FileNotFoundError:  # a stage finished (renamed its dir) mid-walk
+            continue
 
 
 def test_ray_executor_gives_the_local_executors_results(cluster, local_rows, tmp_path):
