@@ -336,3 +336,69 @@ def test_trainer_uses_the_models_own_loss_when_logits_are_not_the_heads(
     torch.manual_seed(0)
     own = model(**batch).loss
     torch.testing.assert_close(loss, own, rtol=1e-5, atol=0)
+
+
+class _Wrapped(torch.nn.Module):
+    """A head that is not a plain ``nn.Linear``: the chunked loss takes its gradients with
+    autograd, chunk by chunk (the path a LoRA-wrapped head takes)."""
+
+    def __init__(self, inner: torch.nn.Linear) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("trainable", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_plain_linear_heads_written_out_gradients_are_autograds(trainable, bf16):
+    """A plain ``nn.Linear`` head has its chunks' gradients written out (softmax - onehot in
+    place, the weight's gradient added from the compute dtype); they are the ones autograd
+    takes through the same head wrapped in a module: float64 to 1e-12, and under bf16
+    autocast to the rounding of one bf16 product (the same casts and matmuls; only the
+    softmax's last bits may differ)."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.float32 if bf16 else torch.float64
+    head = torch.nn.Linear(16, 53, bias=True).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(53, 16, generator=gen, dtype=dtype))
+        head.bias.copy_(torch.randn(53, generator=gen, dtype=dtype))
+    head.weight.requires_grad_(trainable in ("both", "weight"))
+    head.bias.requires_grad_(trainable in ("both", "bias"))
+    params = [p for p in head.parameters() if p.requires_grad]
+    hidden = torch.randn(3, 9, 16, generator=gen, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 53, (3, 9), generator=gen)
+    labels[1, 4] = -100
+
+    def run(h):
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.enable_grad()
+        with ctx:
+            loss = causal_lm_loss(hidden, labels, h, chunk=5)
+        return loss, torch.autograd.grad(loss, [hidden, *params])
+
+    ours, g_ours = run(head)
+    ref, g_ref = run(_Wrapped(head))
+    assert ours.dtype == ref.dtype == (torch.float32 if bf16 else torch.float64)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if bf16 else {"rtol": 1e-12, "atol": 1e-14}
+    torch.testing.assert_close(ours, ref, **tol)
+    for a, b in zip(g_ours, g_ref, strict=True):
+        assert a.dtype == b.dtype
+        if bf16:  # one ulp of bf16 where the softmax rounded differently before the cast
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+            cos = F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0)
+            assert cos > 0.9999
+        else:
+            torch.testing.assert_close(a, b, **tol)
+
+
+def test_the_chunked_loss_refuses_a_second_backward_through_one_graph():
+    """Its backward scales the gradients it saved in place: a second backward through the
+    same graph (retain_graph) is refused by autograd, not answered with twice-scaled ones."""
+    head = torch.nn.Linear(4, 11)
+    hidden = torch.randn(2, 5, 4, requires_grad=True)
+    loss = causal_lm_loss(hidden, torch.randint(0, 11, (2, 5)), head)
+    (g1,) = torch.autograd.grad(loss, [hidden], retain_graph=True)
+    assert g1.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, [hidden])

@@ -58,6 +58,69 @@ def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: Callable[...,
     return F.cross_entropy(logits.to(up), targets, reduction="sum")
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` computes ``t`` in here: the ambient autocast's, for the tensors
+    autocast casts (floating point, not float64), else ``t``'s own."""
+    import torch
+
+    dev = t.device.type
+    if not t.is_floating_point() or t.dtype == torch.float64:
+        return t.dtype
+    try:
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    except RuntimeError:  # a device without autocast (meta)
+        pass
+    return t.dtype
+
+
+def _linear_chunks(
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    head: Any,
+    grads: list[torch.Tensor],
+    grad_h: torch.Tensor,
+) -> torch.Tensor:
+    """The summed cross-entropy of a plain ``nn.Linear`` head and its gradients, chunk by chunk,
+    with the gradients written out instead of taken by autograd: ``softmax - onehot`` made in
+    place in the chunk's fp32 logits, one cast of the weight for the whole loss, and the
+    weight's gradient added into its fp32 sum from the compute dtype (autograd would make an
+    fp32 copy of it per chunk). The arithmetic is autograd's (the same casts, products and
+    sums), at about half its memory: per chunk one fp32 and one compute-dtype copy of the
+    logits and one of the weight's gradient. ``grads``: the sums for the head's parameters
+    that require a gradient (weight, then bias), filled in place; returns the loss."""
+    import torch
+
+    w, b = head.weight, head.bias
+    cdt = _compute_dtype(h)  # h, weight and bias in one dtype, as autocast casts them
+    wc = w.detach().to(cdt)
+    bc = None if b is None else b.detach().to(cdt)
+    up = torch.promote_types(cdt, torch.float32)  # the logits' upcast (fp64 stays fp64)
+    sums = iter(grads)
+    gw = next(sums) if w.requires_grad else None
+    gb = next(sums) if b is not None and b.requires_grad else None
+    total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
+    with torch.no_grad():
+        for s in range(0, h.shape[0], chunk):
+            hc, t = h[s : s + chunk].to(cdt), targets[s : s + chunk]
+            z = torch.nn.functional.linear(hc, wc, bc).to(up)  # (n, V) logits, upcast
+            picked = z.gather(1, t[:, None])  # (n, 1): the targets' logits
+            top = z.amax(dim=1, keepdim=True)
+            norm = z.sub_(top).exp_().sum(dim=1, keepdim=True)  # in place: no (n, V) temporary
+            total += (top + norm.log() - picked).sum().to(total.dtype)  # sum of lse - z[t]
+            z.div_(norm)  # softmax ...
+            z[torch.arange(t.numel(), device=t.device), t] -= 1  # ... - onehot: dloss/dlogits
+            g = z.to(cdt)
+            del z
+            grad_h[s : s + chunk] = g @ wc
+            if gw is not None:
+                gw.add_(g.t() @ hc)
+            if gb is not None:
+                gb.add_(g.sum(0))
+    return total
+
+
 _FUNCTION: Any = None
 
 
@@ -65,7 +128,10 @@ def _chunked_ce() -> Any:
     """The autograd function (built on first use: torch is imported lazily): the summed
     cross-entropy of ``head(h)``, chunk by chunk, each chunk's gradients (for ``h`` and the
     head's trainable parameters) taken in the forward pass and its logits freed at once; the
-    backward pass only scales them by the incoming gradient."""
+    backward pass only scales them by the incoming gradient, in place (a second backward
+    through the same graph is refused by autograd's check of saved tensors). A plain
+    ``nn.Linear`` head has its gradients written out (:func:`_linear_chunks`); any other head
+    (a LoRA-wrapped one) has them taken by autograd, chunk by chunk."""
     global _FUNCTION
     if _FUNCTION is not None:
         return _FUNCTION
@@ -76,6 +142,10 @@ def _chunked_ce() -> Any:
         def forward(ctx: Any, h: Any, targets: Any, chunk: int, head: Any, *params: Any) -> Any:
             grad_h = torch.zeros_like(h)  # (N, H)
             grads = [torch.zeros_like(p) for p in params]  # the head's, independent of N
+            if type(head) is torch.nn.Linear:
+                total = _linear_chunks(h, targets, chunk, head, grads, grad_h)
+                ctx.save_for_backward(grad_h, *grads)
+                return total
             # on h's device: CUDA chunk losses are added to it in place
             total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
             with torch.enable_grad():
@@ -94,7 +164,7 @@ def _chunked_ce() -> Any:
         @staticmethod
         def backward(ctx: Any, grad_out: Any) -> Any:
             grad_h, *grads = ctx.saved_tensors
-            return (grad_h * grad_out, None, None, None, *(g * grad_out for g in grads))
+            return (grad_h.mul_(grad_out), None, None, None, *(g.mul_(grad_out) for g in grads))
 
     _FUNCTION = ChunkedCrossEntropy
     return _FUNCTION
