@@ -19,8 +19,8 @@ changelog entries, 500 of them, batch 8), measured round-robin in one run (the C
   scpdr's step is timed as ``scpdr train`` runs it on CPU: with gradient checkpointing (the
   plan's default there, :func:`~scpdr.training.plan.fit_to_data`); the same step without it is
   timed beside it (``seconds_per_batch["scpdr-no-checkpointing"]``: what checkpointing costs),
-  and the step with the heap's free pages returned inside it (``scpdr-trim-heap``, what
-  ``trim_heap: true`` does; ``heap_trim_cost``: its time over scpdr's; its peak RSS beside).
+  and the step without the heap's free pages returned inside it (``scpdr-no-trim-heap``, what
+  ``trim_heap: false`` does; ``heap_trim_cost``: scpdr's time over its; its peak RSS beside).
   Both steps are forward, backward and an AdamW step on the same model, over ``--steps``
   batches drawn from each side's epoch; the Trainer's own per-step overhead is the same for
   both and left out. Goal >= 1.0, and >= 1.8 on a CPU with bf16 units (``amx_bf16`` or
@@ -32,7 +32,7 @@ changelog entries, 500 of them, batch 8), measured round-robin in one run (the C
   fine-tuning steps of the 135M model at batch 8 x 256 tokens with scpdr's step as it runs on
   CPU (AdamW, so the optimizer state is there; gradient checkpointing on); the HF step's is
   reported beside it, scpdr's without checkpointing (``--no-gradient-checkpointing``, as on
-  a GPU) and with ``trim_heap: true``. Goal <= 3 GB (reported in GiB).
+  a GPU) and with ``trim_heap: false``. Goal <= 3 GB (reported in GiB).
 
 ``--tiny`` runs everything on the tiny random model (seconds; for testing the script: its numbers
 say nothing about the 135M model); ``--quick`` times fewer batches and rounds (< 5 min);
@@ -65,8 +65,8 @@ GOALS = {"tokens_per_s": 1.0, "tokens_per_s_bf16": 1.8, "padding_share": 0.15, "
 #: The skewed lengths: lognormal around this mean, capped (a user's changelog entries).
 MEAN_TOKENS, MAX_TOKENS = 120, 262
 #: The peak-RSS processes: scpdr's step (as on CPU), HF's, scpdr's without checkpointing, and
-#: with the heap's free pages returned inside the step (``trim_heap: true``).
-RSS_KINDS = ("scpdr", "hf", "scpdr-no-checkpointing", "scpdr-trim-heap")
+#: with the heap's free pages kept resident (``trim_heap: false``).
+RSS_KINDS = ("scpdr", "hf", "scpdr-no-checkpointing", "scpdr-no-trim-heap")
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
@@ -133,6 +133,13 @@ def cpu_checkpointing() -> bool:
     return fit_to_data({}, [256] * 8, device="cpu")[1].gradient_checkpointing
 
 
+def cpu_trim_heap() -> bool:
+    """Whether ``scpdr train`` trims the heap inside each step on CPU by default."""
+    from scpdr.training.config import TrainConfig
+
+    return TrainConfig().trim_heap
+
+
 def _steps(
     model: Any,
     precision: Any,
@@ -143,15 +150,17 @@ def _steps(
     trim: bool = False,
 ) -> Any:
     """One training step on a collated batch: scpdr's (chunked loss unless ``chunked`` is
-    false, the precision, activations checkpointed if ``checkpointing``, the heap trimmed inside
-    the step if ``trim``) or HF's (the model's own loss, fp32, no checkpointing). The same AdamW for both (its cost does not depend on the
-    weights' values); each step sets the model's checkpointing, so sides can share a model."""
+    false, the precision under the Trainer's autocast settings, activations checkpointed if
+    ``checkpointing``, the heap trimmed after the forward and before the optimizer step if
+    ``trim``) or HF's (the model's own loss, fp32, no checkpointing). The same AdamW for both
+    (its cost does not depend on the weights' values); each step sets the model's
+    checkpointing, so sides can share a model."""
     import contextlib
 
     import torch
 
     from scpdr.training.loss import ChunkedCausalLMLoss
-    from scpdr.training.memory import trim_heap
+    from scpdr.training.memory import AUTOCAST_CACHE, trim_heap
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
     loss_fn = ChunkedCausalLMLoss(
@@ -162,8 +171,6 @@ def _steps(
     )
 
     def step(batch: dict[str, Any]) -> None:
-        if ours and trim:  # the heap trim callback's on_step_begin
-            trim_heap()
         if checkpointing and ours:
             model.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": False}
@@ -173,7 +180,7 @@ def _steps(
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
         if ours:
             ctx = (
-                torch.autocast("cpu", dtype=torch.bfloat16)
+                torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=AUTOCAST_CACHE)
                 if precision.bf16
                 else contextlib.nullcontext()
             )
@@ -188,7 +195,7 @@ def _steps(
         else:
             loss = model(**inputs, labels=batch["labels"]).loss
         loss.backward()
-        if ours and trim:  # its on_pre_optimizer_step
+        if ours and trim:  # the heap trim callback's on_pre_optimizer_step
             trim_heap()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -198,7 +205,7 @@ def _steps(
 
 def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
     """Two training steps at batch 8 x 256 tokens (``scpdr``: as on CPU, ``hf``,
-    ``scpdr-no-checkpointing`` or ``scpdr-trim-heap``); prints ``{"maxrss_kb": ...}``."""
+    ``scpdr-no-checkpointing`` or ``scpdr-no-trim-heap``); prints ``{"maxrss_kb": ...}``."""
     import torch
 
     from scpdr.training.precision import resolve_precision
@@ -213,10 +220,9 @@ def child(kind: str, tiny: bool, precision_name: str, threads: int) -> None:
         r["input_ids"] = (r["input_ids"] * 256)[:256]
         r["attention_mask"], r["labels"] = [1] * 256, list(r["input_ids"])
     batch = CausalCollator(pad_token_id=eos)(rows)
-    checkpointing = kind in ("scpdr", "scpdr-trim-heap") and cpu_checkpointing()
-    step = _steps(
-        model, precision, ours=ours, checkpointing=checkpointing, trim=kind == "scpdr-trim-heap"
-    )
+    checkpointing = kind in ("scpdr", "scpdr-no-trim-heap") and cpu_checkpointing()
+    trim = kind in ("scpdr", "scpdr-no-checkpointing") and cpu_trim_heap()
+    step = _steps(model, precision, ours=ours, checkpointing=checkpointing, trim=trim)
     for _ in range(2):
         step(batch)
     print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
@@ -279,22 +285,22 @@ def main(argv: list[str] | None = None) -> int:
     }  # the same batch positions of each side's epoch
     tokens = {k: sum(int(b["attention_mask"].sum()) for b in bs) for k, bs in batches.items()}
     fns = {}
-    ckpt = cpu_checkpointing()
+    ckpt, trim = cpu_checkpointing(), cpu_trim_heap()
     sides = {  # (batches, chunked loss, checkpointing, heap trimmed)
         "hf": ("hf", False, False, False),
-        "scpdr": ("scpdr", True, ckpt, False),
-        "scpdr-model-loss": ("scpdr", False, ckpt, False),
-        "scpdr-no-checkpointing": ("scpdr", True, False, False),
-        "scpdr-trim-heap": ("scpdr", True, ckpt, True),
+        "scpdr": ("scpdr", True, ckpt, trim),
+        "scpdr-model-loss": ("scpdr", False, ckpt, trim),
+        "scpdr-no-checkpointing": ("scpdr", True, False, trim),
+        "scpdr-no-trim-heap": ("scpdr", True, ckpt, False),
     }
-    for kind, (data, chunked, checkpointing, trim) in sides.items():
+    for kind, (data, chunked, checkpointing, trimmed) in sides.items():
         step = _steps(
             model,
             precision,
             ours=kind != "hf",
             chunked=chunked,
             checkpointing=checkpointing,
-            trim=trim,
+            trim=trimmed,
         )
         fns[kind] = lambda step=step, bs=batches[data]: [step(b) for b in bs]
     logger.info("timing %d batches per side, %d rounds, %d threads", len(picked), repeats, threads)
@@ -334,9 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         seconds_per_batch={k: round(med[k] / len(picked), 4) for k in med},
         chunked_loss_speedup=round(med["scpdr-model-loss"] / med["scpdr"], 3),
         checkpointing=ckpt,
+        trim_heap=trim,
         lora_dropout_speedup=round(dropout_speedup, 3),
         checkpointing_cost=round(med["scpdr"] / med["scpdr-no-checkpointing"], 3),
-        heap_trim_cost=round(med["scpdr-trim-heap"] / med["scpdr"], 3),
+        heap_trim_cost=round(med["scpdr"] / med["scpdr-no-trim-heap"], 3),
         padding_share={k: round(v, 4) for k, v in shares.items()},
         peak_rss_gb={k: round(v / 2**20, 3) for k, v in rss.items()},
         precision=precision.to_dict(),

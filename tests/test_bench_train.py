@@ -37,11 +37,12 @@ def test_bench_train_tiny_quick_prints_its_json_line():
         "hf",
         "scpdr-model-loss",
         "scpdr-no-checkpointing",
-        "scpdr-trim-heap",
+        "scpdr-no-trim-heap",
     }
     assert line["chunked_loss_speedup"] > 0 and line["checkpointing_cost"] > 0
     assert line["heap_trim_cost"] > 0
     assert line["checkpointing"] is True  # scpdr's step as scpdr train runs it on CPU
+    assert line["trim_heap"] is True
     assert line["lora_dropout_speedup"] > 0
     # grouped batches pad less than random ones on the skewed lengths
     assert ratios["padding_share"] == line["padding_share"]["scpdr"] < line["padding_share"]["hf"]

@@ -53,15 +53,14 @@ def _freed_pinned_heap(libc, size: int = 64 * 1024, n: int = 1600):
     return blocks[-1], size * (n - 1)
 
 
-@pytest.mark.parametrize("hook", ["on_step_begin", "on_pre_optimizer_step"])
-def test_the_step_callback_returns_freed_heap_blocks(hook):
-    """The Trainer callback of a CPU run hands the heap's free blocks back at a step's start
-    and before its optimizer step."""
+def test_the_step_callback_returns_freed_heap_blocks():
+    """The Trainer callback of a CPU run hands the heap's free blocks back before each
+    optimizer step (the chunked loss does after the forward)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     cb = heap_trim_callback()
     pin, freed = _freed_pinned_heap(libc)
     before = _rss_bytes()
-    getattr(cb, hook)(None, None, None)
+    cb.on_pre_optimizer_step(None, None, None)
     after = _rss_bytes()
     libc.free(pin)
     assert before - after > 0.8 * freed
@@ -117,3 +116,34 @@ def test_cpu_trainer_trims_the_heap_inside_each_step(tmp_path):
         )  # fmt: skip
         assert chunked and trainer.compute_loss_func.trim_heap is trim
         assert any(isinstance(cb, kind) for cb in trainer.callback_handler.callbacks) is trim
+
+
+def test_a_bf16_cpu_training_step_keeps_no_cache_of_weight_casts(tmp_path):
+    """The Trainer's bf16 autocast on CPU runs the model's forward with autocast's weight
+    cache off (scpdr.training.memory.AUTOCAST_CACHE): what the model sees inside a step."""
+    import torch
+    from transformers import TrainingArguments
+
+    from scpdr.testing import tiny_model
+    from scpdr.training.sequences import CausalCollator
+    from scpdr.training.trainer import make_trainer
+
+    rows = [{"input_ids": [3, 4, 5, 2], "attention_mask": [1] * 4, "labels": [3, 4, 5, 2]}] * 2
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, bf16=True, max_steps=1, report_to="none",
+        remove_unused_columns=False, save_strategy="no", per_device_train_batch_size=2,
+    )  # fmt: skip
+    model = tiny_model(0).train()
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda m, a: seen.append(
+            (torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled())
+        )
+    )
+    trainer, _ = make_trainer(
+        model=model, args=args, rows=rows, collator=CausalCollator(pad_token_id=2),
+        grouped=False, chunked_loss=True, autocast="cpu", trim_heap=False,
+    )  # fmt: skip
+    seen.clear()  # (make_trainer checks the head on a forward outside training)
+    trainer.train()
+    assert seen and all(seen_ == (True, False) for seen_ in seen)

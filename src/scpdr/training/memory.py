@@ -1,5 +1,6 @@
-"""The heap of a CPU training run: freed memory goes back to the system where it would otherwise
-stay resident and make the process grow.
+"""The memory of a CPU training run: freed heap memory goes back to the system where it would
+otherwise stay resident and make the process grow, and autocast keeps no second copy of the
+weights.
 
 glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter:
 
@@ -8,24 +9,29 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   freed, and :func:`trim_heap` hands the heap's free pages back (``malloc_trim(0)``, which since
   glibc 2.8 releases free pages anywhere in the heap, not only at its top), so the next
   constituent starts from what it needs;
-- **inside a step**, where asked (``TrainConfig.trim_heap``; :func:`heap_trim_callback` and the
-  chunked loss's ``trim_heap``): a step's freed activations and gradients leave free blocks
-  scattered through the heap, which its next phase cannot all reuse (other sizes), so it maps
-  new memory on top of them; the peak is reached in the phase that allocates the most new
-  memory: the loss (the chunks' logits, tens of MB each, which glibc maps separately) and the
-  optimizer step. Trimming at the step's start, after the model's forward (before the loss)
-  and before the optimizer step returns those blocks first, at the price of faulting them in
-  again. Measured on the 135M model (full fine-tuning, bf16, checkpointing, AMD Zen 4, 2
-  threads), 8 of bench_train's skewed batches of 8 in fresh processes, 3 pairs: 5.60 -> 6.18 s
-  per batch (+10%; 5-13% per pair) for a peak of 3.30 -> 2.99 GiB; bench_train, whose sides
-  share one process and heap, gave +2% and +18% in two runs, peaks 3.41 -> 2.99 and 3.45 ->
-  3.01 GiB at 8 x 256 tokens. 10% more time for 10% less memory: off by default, as the mmap
-  threshold is not used either (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every tensor its own
-  mapping; peak 2.8 GiB, 30% slower; 4 MiB: 2.96 GiB, 15% slower). Trimming only after the
-  step changes neither the peak nor the time.
+- **inside a step** (``TrainConfig.trim_heap``, on by default on CPU;
+  :func:`heap_trim_callback` and the chunked loss's ``trim_heap``): a step's freed activations
+  and gradients leave free blocks scattered through the heap, which its next phase cannot all
+  reuse (other sizes), so it maps new memory on top of them. glibc's mmap threshold rises to
+  the largest block freed (up to 32 MiB), so after the first step every tensor of a layer's
+  size lives on the heap: on the 135M model (full fine-tuning, bf16, checkpointing, AMD Zen 4,
+  2 threads, 8 x 256 tokens) the tensors alive at the peak were 1.8 GiB of ``malloc``'s and
+  another 1.0 GiB of freed heap stayed resident beside them. Trimming after the model's
+  forward (before the loss, whose chunks are the step's largest new blocks) and before the
+  optimizer step returns those blocks first, at the price of faulting them in again: peak RSS
+  3.25 -> 2.84 GiB for about 5% more time per step (4 steps in fresh processes; bench_train
+  reports both, ``heap_trim_cost``). A third trim at the step's start lowered the peak no
+  further. The mmap threshold itself is left alone (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every
+  tensor its own mapping; peak 2.8 GiB, 30% slower; 4 MiB: 2.96 GiB, 15% slower), and so is
+  ``THP_MEM_ALLOC_ENABLE`` (torch's huge pages for tensors >= 2 MiB: peak 3.14 GiB, slower).
 
-On CPU only (a GPU's memory is torch's caching allocator's); elsewhere than glibc (macOS, musl)
-nothing is done.
+Trimming is for CPU only (a GPU's memory is torch's caching allocator's); elsewhere than glibc
+(macOS, musl) nothing is done.
+
+bf16 autocast in training keeps no cache of its weight casts (:data:`AUTOCAST_CACHE`): each
+weight is cast once per forward anyway, and under activation checkpointing nothing else keeps
+those copies, so the cache only held the model's bf16 copy through the forward (0.2 GiB of the
+135M model's forward peak). The Trainer's autocast is set so (:mod:`scpdr.training.trainer`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,11 @@ import gc
 import platform
 from typing import Any
 
-__all__ = ["heap_trim_callback", "trim_heap"]
+__all__ = ["AUTOCAST_CACHE", "heap_trim_callback", "trim_heap"]
+
+#: Whether training's bf16 autocast caches its casts of the weights (``torch.autocast``'s
+#: ``cache_enabled``): no, see the module's docstring.
+AUTOCAST_CACHE = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,9 +77,6 @@ def _callback_class() -> type:
     from transformers import TrainerCallback
 
     class HeapTrimCallback(TrainerCallback):
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            trim_heap()
-
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             trim_heap()
 
@@ -77,8 +84,8 @@ def _callback_class() -> type:
 
 
 def heap_trim_callback() -> Any:
-    """A ``TrainerCallback`` returning the heap's free pages (:func:`trim_heap`) at each
-    optimizer step's start and before its optimizer step (with the chunked loss's own trim after
-    the forward: the three points of the module's measurement). For CPU training. (One class
-    for every call: ``isinstance(cb, type(heap_trim_callback()))`` finds it.)"""
+    """A ``TrainerCallback`` returning the heap's free pages (:func:`trim_heap`) before each
+    optimizer step (with the chunked loss's own trim after the forward: the two points of the
+    module's measurement). For CPU training. (One class for every call:
+    ``isinstance(cb, type(heap_trim_callback()))`` finds it.)"""
     return _callback_class()()

@@ -20,9 +20,10 @@ changes, each of which can be turned off in the :class:`~scpdr.training.config.T
   any other model, the head's output differing from the model's own logits on a few positions
   of the first sequence): there the model's own loss is used (logged).
 
-With ``trim_heap`` (``TrainConfig.trim_heap``, CPU) it also hands the heap's free pages back to
-the system inside each step, at its start, after the forward and before the optimizer step
-(:mod:`scpdr.training.memory`: a lower peak for more time per step).
+With ``trim_heap`` (``TrainConfig.trim_heap``, CPU, on by default) it also hands the heap's free
+pages back to the system inside each step, after the forward and before the optimizer step
+(:mod:`scpdr.training.memory`: a lower peak for a little more time per step). A bf16 run's
+autocast keeps no cache of its weight casts (:data:`~scpdr.training.memory.AUTOCAST_CACHE`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from scpdr.training.loss import ChunkedCausalLMLoss
-from scpdr.training.memory import heap_trim_callback
+from scpdr.training.memory import AUTOCAST_CACHE, heap_trim_callback
 from scpdr.training.sequences import (
     CausalCollator,
     GroupedSampler,
@@ -176,6 +177,10 @@ def make_trainer(
     )
     if grouped:
         trainer.add_callback(grouped_epoch_callback(trainer))
+    if autocast is not None:  # read when the Trainer prepares the model (training/memory.py)
+        from accelerate.utils import AutocastKwargs
+
+        trainer.accelerator.autocast_handler = AutocastKwargs(cache_enabled=AUTOCAST_CACHE)
     if trim_heap:
         trainer.add_callback(heap_trim_callback())
     chunked = bool(chunked_loss)
