@@ -125,6 +125,34 @@ def _linear_chunks(
     return total
 
 
+def _autograd_chunks(
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    head: Any,
+    params: tuple[torch.Tensor, ...],
+    grads: list[torch.Tensor],
+    grad_h: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_linear_chunks` for any other head (a LoRA-wrapped one): each chunk's gradients
+    for ``h`` and ``params`` taken by autograd, added into ``grads``; returns the loss."""
+    import torch
+
+    # on h's device: CUDA chunk losses are added to it in place
+    total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
+    with torch.enable_grad():
+        for s in range(0, h.shape[0], chunk):
+            hc = h[s : s + chunk].detach().requires_grad_()
+            loss = _chunk_loss(hc, targets[s : s + chunk], head)  # logits: (n, V)
+            found = torch.autograd.grad(loss, [hc, *params], allow_unused=True)
+            grad_h[s : s + chunk] = found[0]
+            for acc, g in zip(grads, found[1:], strict=True):
+                if g is not None:
+                    acc += g
+            total += loss.detach()
+    return total
+
+
 _FUNCTION: Any = None
 
 
@@ -148,20 +176,8 @@ def _chunked_ce() -> Any:
             grads = [torch.zeros_like(p) for p in params]  # the head's, independent of N
             if type(head) is torch.nn.Linear:
                 total = _linear_chunks(h, targets, chunk, head, grads, grad_h)
-                ctx.save_for_backward(grad_h, *grads)
-                return total
-            # on h's device: CUDA chunk losses are added to it in place
-            total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
-            with torch.enable_grad():
-                for s in range(0, h.shape[0], chunk):
-                    hc = h[s : s + chunk].detach().requires_grad_()
-                    loss = _chunk_loss(hc, targets[s : s + chunk], head)  # logits: (n, V)
-                    found = torch.autograd.grad(loss, [hc, *params], allow_unused=True)
-                    grad_h[s : s + chunk] = found[0]
-                    for acc, g in zip(grads, found[1:], strict=True):
-                        if g is not None:
-                            acc += g
-                    total += loss.detach()
+            else:
+                total = _autograd_chunks(h, targets, chunk, head, params, grads, grad_h)
             ctx.save_for_backward(grad_h, *grads)
             return total
 
