@@ -22,18 +22,27 @@ stacked batch. Measured round-robin in one run (the CPU is shared):
   the served model is then the bf16-rounded one): its ratio to HF generate, and ``speedup``:
   the float32-weight fast path's step time over its own, per build and batch size
   (``--no-bf16`` skips it); not a goal;
-- ``served_default``: per build, the precision ``scpdr serve --precision auto`` decodes with
-  on this CPU (bf16 base weights only where the CPU has bf16 units and a micro-benchmark finds
-  them faster at batch 1 and 8: ``scpdr.serve.precision``), its reason, and that row's ratios
-  (not a goal: the goals are the float32 ``ratios``);
+- ``served_default``: per build, the precision ``scpdr serve`` decodes with by default
+  (``--precision auto``: bf16 base weights only where the CPU has bf16 units and a
+  micro-benchmark finds them faster at batch 1 and 8, ``scpdr.serve.precision``), its reason,
+  that precision's ratios (speed and memory) and whether they meet the goals;
 - peak resident memory (``ru_maxrss``) of a process that loads the fast-path protected model and
-  decodes, divided by that of a process that loads one model and decodes (fresh subprocesses).
+  decodes, divided by that of a process that loads one model and decodes (fresh subprocesses),
+  for the float32 weights and, where ``auto`` serves them, the bf16 ones.
+
+**What the goals judge**: the protected model as ``scpdr serve`` runs it by default against the
+unprotected model as users run it (HF ``generate``, float32 on CPU). ``ratios`` and
+``goals_met`` are the native build's served default; ``float32_ratios`` always hold the
+float32-weight row. Where ``auto`` keeps float32 (e.g. AMD Zen 4, where bf16 weights are no
+faster) the two are the same numbers; where it serves bf16 weights (a CPU whose bf16 units make
+them faster) the float32 row stays reported beside it.
 
 The packed GEMM and the SCP-Δr kernel are built for each ``--targets`` ISA (default: the native
 one and ``x86-64-v3``, the AVX2 + FMA code most x86 users run) and a fast-path model per build
 is timed in the same rounds against the same HF baseline: ``ratios`` are the native build's,
-``isa`` holds each build's ratios (speed, same-kernel, memory), instruction set and
-kernel/torch decisions (each build's kernels are used only where measured faster than torch).
+``isa`` holds each build's ratios (served default and float32; speed, same-kernel, memory),
+instruction set and kernel/torch decisions (each build's kernels are used only where measured
+faster than torch).
 
 Times are this thread's CPU time by default (``--clock cpu`` with one torch thread, where all
 the work runs on it): on a shared 2-core machine wall-clock ratios swung from 0.72 to 1.0 between
@@ -45,7 +54,7 @@ reach them, its path must still be no slower than torch's).
     python benchmarks/bench_lora.py [--quick] [--threads N] [--only speed|memory] [--targets ...]
 
 Last stdout line: ``{"bench": "lora", "ratios": {"scp-delta-r-b@B1": ..., "scp-delta-r-b@B8":
-..., "memory": ...}, ...}``.
+..., "memory": ...}, "precision": "fp32"|"bf16", "float32_ratios": {...}, ...}``.
 """
 
 from __future__ import annotations
@@ -63,14 +72,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import cpu_model, default_targets, emit, interleaved_medians, setup
+from _lora_report import (
+    BF16,
+    GOALS,
+    bf16_key,
+    decode_choices,
+    memory_key,
+    per_target,
+    served_default,
+    target_key,
+)
 
 logger = logging.getLogger("scpdr.benchmarks.lora")
 
-#: The fast path with the base's weights in bf16 (``from_bundle(dtype=torch.bfloat16)``).
-BF16 = "scp-delta-r-b-bf16w"
-
-
-GOALS = {"scp-delta-r-b@B1": 0.75, "scp-delta-r-b@B8": 0.75, "memory": 1.25}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -131,10 +145,10 @@ def greedy_decode(model, enc, n: int) -> None:
             pos = pos[:, -1:] + 1
 
 
-def child(kind: str, bundle: str, n_new: int) -> int:
+def child(kind: str, bundle: str, n_new: int, *, bf16: bool = False) -> int:
     """Load one model (``single``) or the fast-path protected bundle (``protected``, kernels of
-    ``$SCPDR_KERNEL_TARGET``), decode ``n_new`` greedy tokens for one prompt, print
-    ``{"maxrss_kb": ...}``."""
+    ``$SCPDR_KERNEL_TARGET``; base weights in bf16 with ``bf16``), decode ``n_new`` greedy
+    tokens for one prompt, print ``{"maxrss_kb": ...}``."""
     import resource
 
     import torch
@@ -154,7 +168,8 @@ def child(kind: str, bundle: str, n_new: int) -> int:
                 pad_token_id=tok.pad_token_id,
             )
     else:
-        lm = ProtectedLM.from_bundle(bundle, device="cpu")
+        dtype = torch.bfloat16 if bf16 else None
+        lm = ProtectedLM.from_bundle(bundle, dtype=dtype, device="cpu")
         if not lm.fast_path.on:
             raise RuntimeError(f"the LoRA fast path did not engage ({lm.fast_path.reason})")
         lm.generate(PROMPTS[:1], max_new_tokens=n_new, stop_at_eos=False)
@@ -172,14 +187,18 @@ def child(kind: str, bundle: str, n_new: int) -> int:
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
-def peak_rss(kind: str, bundle: Path, threads: int, target: str = "native") -> dict[str, int]:
-    """Peak RSS (KiB) of a fresh ``--child kind`` process: ``ru_maxrss`` and ``/proc`` VmHWM.
+def peak_rss(
+    kind: str, bundle: Path, threads: int, target: str = "native", *, bf16: bool = False
+) -> dict[str, int]:
+    """Peak RSS (KiB) of a fresh ``--child kind`` process (``bf16``: the protected model's base
+    weights in bf16): ``ru_maxrss`` and ``/proc`` VmHWM.
 
     The child is started through a small launcher process: Linux carries a process's
     ``ru_maxrss`` over fork + exec, so a child forked directly from this (large) process would
     report at least this process's own peak.
     """
     cmd = [sys.executable, __file__, "--child", kind, "--bundle", str(bundle)]
+    cmd += ["--child-bf16"] if bf16 else []
     out = subprocess.run(
         [sys.executable, "-c", _LAUNCHER, *cmd, "--threads", str(threads)],
         check=True,
@@ -228,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--child", choices=["single", "protected"], help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
+    ap.add_argument("--child-bf16", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     threads = setup(threads=args.threads)
     if args.child:
-        return child(args.child, args.bundle, CHILD_TOKENS)
+        return child(args.child, args.bundle, CHILD_TOKENS, bf16=args.child_bf16)
 
     import statistics
 
@@ -246,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 5)
     mem_rounds = args.memory_rounds or (1 if args.quick else 3)
     base, tok = models.load_base()
+    served_bf16 = decode_choices(targets)  # what `scpdr serve` decodes with, per build
     tmp = tempfile.TemporaryDirectory(prefix="bench-lora-")
     root = Path(tmp.name)
     bundle = build_bundle(root, base, rank=args.rank, alpha=args.alpha)
@@ -341,26 +362,28 @@ def main(argv: list[str] | None = None) -> int:
     decisions = kernels.decisions()
     del lms, packed_views
     logger.info("memory: %d round(s) of single / protected subprocesses", mem_rounds)
-    kinds = ["single", *(f"protected[{t}]" for t in targets)]
-    rss: dict[str, list[dict[str, int]]] = {k: [] for k in kinds}
+    # (kind, target, bf16 weights): one model, each build's protected model, and its bf16 one
+    # where that is what `scpdr serve` decodes with
+    runs = [("single", "native", False)]
+    for t in targets:
+        runs += [("protected", t, False)] + ([("protected", t, True)] if served_bf16[t] else [])
+    rss: dict[str, list[dict[str, int]]] = {memory_key(*r): [] for r in runs}
     for _ in range(0 if args.only == "speed" else mem_rounds):
-        for kind in kinds:
-            target = kind[len("protected[") : -1] if kind != "single" else "native"
-            rss[kind].append(peak_rss(kind.split("[")[0], bundle, threads, target))
+        for kind, t, bf16 in runs:
+            rss[memory_key(kind, t, bf16)].append(peak_rss(kind, bundle, threads, t, bf16=bf16))
     mem = {k: statistics.median([r["maxrss_kb"] for r in v] or [0]) for k, v in rss.items()}
     hwm = {k: statistics.median([r["vmhwm_kb"] or 0 for r in v] or [0]) for k, v in rss.items()}
-    for t in targets:
-        key = "memory" if t == "native" else f"memory[{t}]"
-        ratios[key] = round(mem[f"protected[{t}]"] / mem["single"], 3) if mem["single"] else None
+    for (kind, t, bf16), key in ((r, memory_key(*r)) for r in runs):
+        if kind == "single":
+            continue
+        out = bf16w if bf16 else ratios
+        name = bf16_key("memory", t) if bf16 else target_key("memory", t)
+        out[name] = round(mem[key] / mem["single"], 3) if mem["single"] else None
     tmp.cleanup()
-    served = served_default(targets, ratios, bf16w, args.batch_sizes, no_bf16=args.no_bf16)
-    isa = per_target(targets, ratios, same_kernels, decisions, kernels)
-    ratios = {k: v for k, v in ratios.items() if "[" not in k}
-
-    met = {
-        k: ratios.get(k) is not None and (ratios[k] <= v if k == "memory" else ratios[k] >= v)
-        for k, v in GOALS.items()
-    }
+    served = served_default(served_bf16, ratios, bf16w, args.batch_sizes, no_bf16=args.no_bf16)
+    isa = per_target(targets, ratios, served, same_kernels, decisions, kernels)
+    float32 = {k: v for k, v in ratios.items() if "[" not in k}
+    ratios, met = served["native"]["ratios"], served["native"]["goals_met"]
     for k, v in ratios.items():
         logger.info("%-20s %s  (goal %s)", k, "-" if v is None else f"{v:.3f}", GOALS.get(k))
     emit(
@@ -368,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios,
         goals=GOALS,
         goals_met=met,
+        precision=served["native"]["precision"],
+        float32_ratios=float32,
         ms_per_step=ms,
         end_to_end_ratios=end_to_end,
         stacked_rows_ceiling=ceilings,
@@ -388,32 +413,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def served_default(targets, ratios, bf16w, batch_sizes, *, no_bf16: bool) -> dict:
-    """Per build, what ``scpdr serve --precision auto`` decodes with on this CPU (the decoding
-    precision, measured once per CPU model: :mod:`scpdr.serve.precision`), why, and that row's
-    ratios to HF generate (the float32 row's or the bf16-weight row's; None for bf16 under
-    ``--no-bf16``). Decided at this benchmark's thread count, which is part of the decision's
-    key: a server on another thread count measures for itself."""
-    from scpdr import kernels
-    from scpdr.serve.precision import resolve_decode_precision
-
-    out = {}
-    for t in targets:
-        with kernels.using_target(t):
-            choice = resolve_decode_precision("auto")
-        suffix = "" if t == "native" else f"[{t}]"
-        row, source = (BF16, bf16w) if choice.bf16 else ("scp-delta-r-b", ratios)
-        rows = {
-            f"scp-delta-r-b@B{b}": None
-            if choice.bf16 and no_bf16
-            else source.get(f"{row}{suffix}@B{b}")
-            for b in batch_sizes
-        }
-        out[t] = {"precision": choice.precision, "reason": choice.reason, "ratios": rows}
-        logger.info("served with --precision auto (%s build): %s %s", t, choice.summary, rows)
-    return out
-
-
 def on_target(target: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with the kernels of build ``target`` (the SCP-Δr aggregation;
     the packed layers keep the build they were packed for)."""
@@ -421,36 +420,6 @@ def on_target(target: str, fn, *args, **kwargs):
 
     with kernels.using_target(target):
         return fn(*args, **kwargs)
-
-
-def target_key(key: str, target: str) -> str:
-    """``scp-delta-r-b@B1`` -> ``scp-delta-r-b[x86-64-v3]@B1`` (``memory`` -> ``memory[...]``)
-    for a build other than native."""
-    if target == "native":
-        return key
-    name, at, batch = key.partition("@")
-    return f"{name}[{target}]{at}{batch}"
-
-
-def per_target(targets, ratios, same_kernels, decisions, kernels) -> dict:
-    """``{target: {"isa", "ratios", "goals_met", "same_kernel_ratios", "decisions"}}``."""
-    out = {}
-    for t in targets:
-        lib = kernels.gemm.library(target=t)
-        rs = {k: ratios.get(target_key(k, t)) for k in GOALS}
-        out[t] = {
-            "isa": None if lib is None else lib.lib.isa,
-            "ratios": rs,
-            "goals_met": {
-                k: v is not None and (v <= GOALS[k] if k == "memory" else v >= GOALS[k])
-                for k, v in rs.items()
-            },
-            "same_kernel_ratios": {
-                k: same_kernels.get(target_key(k, t)) for k in GOALS if k != "memory"
-            },
-            "decisions": {k: v for k, v in decisions.items() if f", {t} build)" in k},
-        }
-    return out
 
 
 if __name__ == "__main__":
