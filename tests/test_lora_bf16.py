@@ -179,6 +179,76 @@ def test_bf16_weights_without_the_kernel_run_torch_bf16(monkeypatch):
     assert torch.isfinite(out.float()).all()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 6, 24])
+def test_bf16_torch_layers_run_plain_linear(rows):
+    """Without the kernel, a bf16 layer runs ``F.linear`` at every row count: no input chunks
+    for a wide weight and no few-rows ``(W·xᵀ)ᵀ`` form (both measured slower in bf16 on AMD and
+    Intel), so its output is F.linear's bit for bit; the LoRA delta is added on top."""
+    gen = torch.Generator().manual_seed(rows)
+    n_in, n_out, rank = 1200, 40, 3
+    base = torch.nn.Linear(n_in, n_out, bias=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(n_out, n_in, generator=gen))
+    a = torch.randn(1, n_in, rank, generator=gen).to(torch.bfloat16)
+    b = torch.randn(1, rank, n_out, generator=gen).to(torch.bfloat16)
+    mode = GroupMode()
+    mode.stacked = 1
+    lin = StackedLoraLinear(base, a, b, mode)
+    assert lin.weight_chunks is None and lin.base_layer is base
+    x = torch.randn(rows, n_in, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = lin(x)
+        plain = torch.nn.functional.linear(x, base.weight, base.bias)
+        expected = plain.clone().view(1, rows, n_out)
+        expected[:1].baddbmm_(torch.bmm(x.view(1, rows, n_in), a), b)
+    assert torch.equal(y, expected.view(rows, n_out))
+
+
+def test_bf16_without_the_kernel_rounds_the_weights_read_from_the_checkpoint(
+    monkeypatch, tmp_path
+):
+    """On torch's bf16 matmuls the weights are rounded from the checkpoint's tensors (so that the
+    model's own memory-mapped float32 weights are not all paged in): every parameter is, bit for
+    bit, the model's own rounded to bf16; the checkpoint is read for the weights, and a
+    checkpoint that does not hold the model's values is not used."""
+    from transformers import AutoModelForCausalLM
+
+    from scpdr.lora import checkpoint_weight_source
+
+    monkeypatch.setenv("SCPDR_GEMM_KERNEL", "0")
+    _tiny().save_pretrained(str(tmp_path))
+    read = checkpoint_weight_source(tmp_path)
+    asked: list[str] = []
+
+    def counted(name):
+        asked.append(name)
+        return read(name)
+
+    def wrong(name):
+        t = read(name)
+        return None if t is None else t + 1.0
+
+    for source in (counted, wrong):
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+        expected = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+        adapter = testing.random_lora_adapter(model, "model.layers.0.mlp.up_proj", rank=2)
+        stack = StackedLoRA(
+            model, [adapter, None], ["a", "base"], weight_source=source,
+            weight_dtype=torch.bfloat16,
+        )  # fmt: skip
+        got = stack.model.state_dict()
+        for k, v in expected.items():
+            if not k.endswith("weight") or v.dim() != 2:
+                continue
+            name = k[: -len(".weight")]
+            t = got.get(k)
+            if t is None:  # a wide linear re-laid out in input chunks
+                mod = stack.model.get_submodule(name)
+                t = mod.weight
+            assert t.dtype == torch.bfloat16 and torch.equal(t, v), k
+    assert "model.layers.0.self_attn.q_proj" in asked and "model.embed_tokens" in asked
+
+
 def test_serve_precision_option():
     """--precision: auto (here the suite's SCPDR_PRECISION=fp32: the checkpoint's float32), fp32
     or bf16; anything else is refused naming the option."""

@@ -98,7 +98,7 @@ def source_weight(
     middle and last rows): anything odd, e.g. weights converted at load time, means None (the
     module's own weight is used)."""
     w = layer.weight
-    relaid = packed or in_chunks(layer.in_features) > 1
+    relaid = packed or (packable(w) and in_chunks(layer.in_features) > 1)
     if source is None or w.device.type != "cpu" or not relaid:
         return None
     try:
@@ -169,7 +169,7 @@ class StackedLoraLinear(nn.Module):
     w)``, ``lora_a_packed`` ``(L, ceil(r/w), in, w)`` (A) and ``lora_b_packed`` ``(L,
     ceil(out/w), r, w)`` (s·B), given already packed with ``lora_packed=True``;
     ``base_layer`` is dropped. Otherwise (torch's matmuls): ``lora_a`` ``(L, in, r)`` (= Aᵀ),
-    ``lora_b`` ``(L, r, out)`` (= s·Bᵀ), and on CPU a linear wider than
+    ``lora_b`` ``(L, r, out)`` (= s·Bᵀ), and on CPU a float32 linear wider than
     :data:`CHUNK_IN_FEATURES` inputs keeps its weight as ``c`` input chunks ``weight_chunks``
     ``(c, out, in/c)`` instead of ``base_layer`` (see :meth:`_base_forward`). The LoRA buffers
     are None (L = 0) for a linear no adapter targets (wrapped for the stacked base matmul only).
@@ -208,7 +208,7 @@ class StackedLoraLinear(nn.Module):
         self.rank = 0 if b is None else int(b.shape[-2])  # b: (L, r, out) or (L, ., r, w)
         self.num_lora = 0 if a is None else int(a.shape[0])
         self._mode = mode
-        c = in_chunks(self._in) if w.device.type == "cpu" else 1
+        c = in_chunks(self._in) if packable(w) else 1  # float32 on CPU only (_base_forward)
         src = (w if source is None else source.to(w.dtype)).detach()
         packed = chunks = None
         if packs and gemm is not None:  # panels for kernels/packed_gemm.c, built once
@@ -258,9 +258,12 @@ class StackedLoraLinear(nn.Module):
         rows ``F.linear`` picks a small-M sgemm costing ~2x one row, while ``(W·xᵀ)ᵀ`` streams W
         once for all rows, as fast as one row when W has at most ~576 inputs; wider weights are
         split into input chunks of that size (one bmm, summed). With many rows, ``F.linear``.
+        Both forms are float32 only: with bf16 weights plain ``F.linear`` was faster at 3 to 24
+        rows on AMD Zen 4 and on an Intel Xeon with AMX alike (``docs/lora_fast_path.md``).
         """
         rows = x.numel() // x.shape[-1]
         few = 1 < rows <= TRANSPOSED_MAX_ROWS and x.device.type == "cpu"
+        few = few and x.dtype == torch.float32
         w3 = self.weight_chunks
         if w3 is None:
             layer = self.base_layer

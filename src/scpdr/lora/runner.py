@@ -101,6 +101,34 @@ def _width(gemm: GemmLibrary | None, layer: nn.Linear) -> int | None:
     return gemm.panel_width if gemm is not None and packable(layer.weight) else None
 
 
+def to_bf16(model: nn.Module, source: Callable[[str], Tensor | None] | None = None) -> None:
+    """``model.to(torch.bfloat16)`` with each float32 CPU weight rounded from ``source`` (module
+    name -> its weight read from the checkpoint, :func:`scpdr.lora.checkpoint_weight_source`)
+    where it holds the same tensor (shape; first, middle and last rows): the model's own weights
+    are memory-mapped from the same file, and converting them would page in all of its float32
+    bytes at once beside the bf16 copies (+0.5 GB resident for SmolLM2-135M), while a weight read
+    from the checkpoint maps its file for that one tensor only. The result is the same bits."""
+    seen: set[int] = set()
+    for name, mod in model.named_modules():
+        p = getattr(mod, "weight", None)
+        if not isinstance(p, nn.Parameter) or id(p) in seen or p.device.type != "cpu":
+            continue
+        seen.add(id(p))
+        if p.dtype != torch.float32 or p.dim() != 2 or source is None:
+            continue
+        try:
+            src = source(name)
+        except Exception as exc:  # a broken checkpoint: the module's weight is correct anyway
+            logger.debug("weight source failed for %s: %s", name, exc)
+            continue
+        rows = [0, p.shape[0] // 2, p.shape[0] - 1]
+        if src is None or src.shape != p.shape or not torch.equal(src[rows].float(), p.detach()[rows]):
+            continue
+        p.data = src.to(torch.bfloat16)  # the float32 original is dropped, never paged in
+        del src
+    model.to(torch.bfloat16)  # the rest (norms, biases, float buffers), as before
+
+
 class StackedLoRA:
     """One base model and G groups (LoRA adapters over it, or the base itself) run as one
     stacked batch. ``__call__`` returns every group's logits; ``views`` are the groups as models.
@@ -217,7 +245,7 @@ class StackedLoRA:
         bf16 = self.weight_dtype == torch.bfloat16
         if bf16 and gemm is None:  # torch's bf16 matmuls, as a model loaded in bf16
             logger.info("bf16 weights without the packed kernel: the base runs in torch's bf16")
-            self.model.to(torch.bfloat16)
+            to_bf16(self.model, weight_source)
         emb = self.model.get_input_embeddings()
         emb_weight = getattr(emb, "weight", None)
         emb_name = next((n for n, mod in named.items() if mod is emb), None)
