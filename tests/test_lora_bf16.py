@@ -204,9 +204,7 @@ def test_bf16_torch_layers_run_plain_linear(rows):
     assert torch.equal(y, expected.view(rows, n_out))
 
 
-def test_bf16_without_the_kernel_rounds_the_weights_read_from_the_checkpoint(
-    monkeypatch, tmp_path
-):
+def test_bf16_without_the_kernel_rounds_the_weights_read_from_the_checkpoint(monkeypatch, tmp_path):
     """On torch's bf16 matmuls the weights are rounded from the checkpoint's tensors (so that the
     model's own memory-mapped float32 weights are not all paged in): every parameter is, bit for
     bit, the model's own rounded to bf16; the checkpoint is read for the weights, and a

@@ -122,7 +122,11 @@ def to_bf16(model: nn.Module, source: Callable[[str], Tensor | None] | None = No
             logger.debug("weight source failed for %s: %s", name, exc)
             continue
         rows = [0, p.shape[0] // 2, p.shape[0] - 1]
-        if src is None or src.shape != p.shape or not torch.equal(src[rows].float(), p.detach()[rows]):
+        if (
+            src is None
+            or src.shape != p.shape
+            or not torch.equal(src[rows].float(), p.detach()[rows])
+        ):
             continue
         p.data = src.to(torch.bfloat16)  # the float32 original is dropped, never paged in
         del src
