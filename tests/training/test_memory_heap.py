@@ -9,7 +9,12 @@ import platform
 
 import pytest
 
-from scpdr.training.memory import heap_trim_callback, trim_heap
+from scpdr.training.memory import (
+    STEP_TRIM_MIN_FREE,
+    heap_free_bytes,
+    heap_trim_callback,
+    trim_heap,
+)
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's heap"
@@ -40,9 +45,14 @@ def test_freed_heap_blocks_go_back_to_the_system_only_when_trimmed():
     assert before - after > 0.8 * size * (n - 1)  # the freed 100 MiB left the process
 
 
-def _freed_pinned_heap(libc, size: int = 64 * 1024, n: int = 1600):
-    """100 MiB of resident heap blocks, all freed but the last (which pins the heap's top):
-    resident until trimmed. Returns the pinning block (free it after the test)."""
+#: Blocks of 64 KiB freed by the step tests: 100 MiB more than a step's trim needs to run.
+STEP_BLOCKS = (STEP_TRIM_MIN_FREE + (100 << 20)) // (64 * 1024)
+
+
+def _freed_pinned_heap(libc, size: int = 64 * 1024, n: int = STEP_BLOCKS):
+    """``n`` resident heap blocks of ``size`` bytes, all freed but the last (which pins the heap's
+    top): resident until trimmed. Returns the pinning block (free it after the test) and the
+    bytes freed."""
     libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
     blocks = [libc.malloc(size) for _ in range(n)]
@@ -53,9 +63,29 @@ def _freed_pinned_heap(libc, size: int = 64 * 1024, n: int = 1600):
     return blocks[-1], size * (n - 1)
 
 
+def test_a_trim_is_skipped_below_its_minimum_of_free_heap():
+    """trim_heap(min_free=...) reads the heap's free bytes (which count what was just freed) and
+    trims only from that much: below it the freed blocks stay resident."""
+    if heap_free_bytes() is None:
+        pytest.skip("this glibc has no mallinfo2")
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    pin, freed = _freed_pinned_heap(libc, n=1600)  # 100 MiB
+    free = heap_free_bytes()
+    assert free >= freed
+    before = _rss_bytes()
+    assert not trim_heap(min_free=free + (1 << 30))
+    kept = _rss_bytes()
+    assert trim_heap(min_free=free // 2)
+    after = _rss_bytes()
+    libc.free(pin)
+    assert before - kept < 0.2 * freed  # skipped: still resident
+    assert kept - after > 0.8 * freed  # trimmed
+
+
 def test_the_step_callback_returns_freed_heap_blocks():
     """The Trainer callback of a CPU run hands the heap's free blocks back before each
-    optimizer step (the chunked loss does after the forward)."""
+    optimizer step (the chunked loss does after the forward), where the heap holds at least
+    STEP_TRIM_MIN_FREE free: here 100 MiB more."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     cb = heap_trim_callback()
     pin, freed = _freed_pinned_heap(libc)
