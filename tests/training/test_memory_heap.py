@@ -9,12 +9,8 @@ import platform
 
 import pytest
 
-from scpdr.training.memory import (
-    STEP_TRIM_MIN_FREE,
-    heap_free_bytes,
-    heap_trim_callback,
-    trim_heap,
-)
+from scpdr.training import memory
+from scpdr.training.memory import heap_free_bytes, heap_trim_callback, trim_heap, trim_step_heap
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's heap"
@@ -45,11 +41,7 @@ def test_freed_heap_blocks_go_back_to_the_system_only_when_trimmed():
     assert before - after > 0.8 * size * (n - 1)  # the freed 100 MiB left the process
 
 
-#: Blocks of 64 KiB freed by the step tests: 100 MiB more than a step's trim needs to run.
-STEP_BLOCKS = (STEP_TRIM_MIN_FREE + (100 << 20)) // (64 * 1024)
-
-
-def _freed_pinned_heap(libc, size: int = 64 * 1024, n: int = STEP_BLOCKS):
+def _freed_pinned_heap(libc, size: int = 64 * 1024, n: int = 1600):
     """``n`` resident heap blocks of ``size`` bytes, all freed but the last (which pins the heap's
     top): resident until trimmed. Returns the pinning block (free it after the test) and the
     bytes freed."""
@@ -69,7 +61,7 @@ def test_a_trim_is_skipped_below_its_minimum_of_free_heap():
     if heap_free_bytes() is None:
         pytest.skip("this glibc has no mallinfo2")
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    pin, freed = _freed_pinned_heap(libc, n=1600)  # 100 MiB
+    pin, freed = _freed_pinned_heap(libc)  # 100 MiB
     free = heap_free_bytes()
     assert free >= freed
     before = _rss_bytes()
@@ -82,10 +74,47 @@ def test_a_trim_is_skipped_below_its_minimum_of_free_heap():
     assert kept - after > 0.8 * freed  # trimmed
 
 
-def test_the_step_callback_returns_freed_heap_blocks():
+@pytest.fixture
+def step_minimum(monkeypatch):
+    """Sets the free heap a trim inside a step needs (``memory.STEP_TRIM_MIN_FREE``, read at
+    each call): below or above the tests' 100 MiB of freed blocks."""
+    if heap_free_bytes() is None:
+        pytest.skip("this glibc has no mallinfo2: every step's trim runs")
+
+    def set_to(nbytes: int) -> None:
+        monkeypatch.setattr(memory, "STEP_TRIM_MIN_FREE", nbytes)
+
+    return set_to
+
+
+def test_a_step_trim_is_skipped_where_the_heap_holds_less_than_its_minimum(step_minimum):
+    """Below STEP_TRIM_MIN_FREE of free heap the step's trims (the callback's, the chunked
+    loss's) leave the freed blocks resident."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from scpdr.training.loss import ChunkedCausalLMLoss
+
+    step_minimum(heap_free_bytes() + (1 << 40))
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    pin, freed = _freed_pinned_heap(libc)
+    before = _rss_bytes()
+    assert not trim_step_heap()
+    heap_trim_callback().on_pre_optimizer_step(None, None, None)
+    head = torch.nn.Linear(8, 50, bias=False)
+    out = SimpleNamespace(hidden_states=(torch.randn(2, 6, 8),))
+    ChunkedCausalLMLoss(head, vocab_size=50, trim_heap=True)(out, torch.zeros(2, 6).long())
+    dropped = before - _rss_bytes()
+    libc.free(pin)
+    assert dropped < 0.2 * freed
+
+
+def test_the_step_callback_returns_freed_heap_blocks(step_minimum):
     """The Trainer callback of a CPU run hands the heap's free blocks back before each
     optimizer step (the chunked loss does after the forward), where the heap holds at least
-    STEP_TRIM_MIN_FREE free: here 100 MiB more."""
+    STEP_TRIM_MIN_FREE free (here set below the 100 MiB freed)."""
+    step_minimum(50 << 20)
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     cb = heap_trim_callback()
     pin, freed = _freed_pinned_heap(libc)
@@ -96,7 +125,7 @@ def test_the_step_callback_returns_freed_heap_blocks():
     assert before - after > 0.8 * freed
 
 
-def test_the_chunked_loss_trims_first_and_computes_the_same_loss():
+def test_the_chunked_loss_trims_first_and_computes_the_same_loss(step_minimum):
     """ChunkedCausalLMLoss(trim_heap=True) returns the heap's free blocks before its chunks
     and gives the loss and gradients of trim_heap=False, bit for bit."""
     from types import SimpleNamespace
@@ -105,6 +134,7 @@ def test_the_chunked_loss_trims_first_and_computes_the_same_loss():
 
     from scpdr.training.loss import ChunkedCausalLMLoss
 
+    step_minimum(50 << 20)
     gen = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False)
     hidden = torch.randn(2, 6, 8, generator=gen, requires_grad=True)

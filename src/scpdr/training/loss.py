@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from scpdr.training.memory import STEP_TRIM_MIN_FREE, trim_heap
+from scpdr.training.memory import trim_step_heap
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -281,7 +281,7 @@ class ChunkedCausalLMLoss:
             else contextlib.nullcontext()
         )
         if self.trim_heap:
-            trim_heap(min_free=STEP_TRIM_MIN_FREE)
+            trim_step_heap()
         with ctx:
             return causal_lm_loss(
                 hidden[-1],

@@ -25,8 +25,11 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   :data:`STEP_TRIM_MIN_FREE` (0.5 GiB) free (:func:`heap_free_bytes`): small steps free less
   (~0.4 GiB after the forward on 20 of the demo's short records, 0.7-0.8 GiB on 8 x ~250
   tokens), and trimming them at every step cost 13-18% of their time for 0.09 GiB of peak;
-  with the threshold they run as fast as untrimmed, and the 8 x 256 step keeps 2.92 GiB. The mmap threshold itself is left alone (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every
-  tensor its own mapping; peak 2.8 GiB, 30% slower; 4 MiB: 2.96 GiB, 15% slower), and so is
+  with the threshold they run as fast as untrimmed, and the 8 x 256 step keeps 2.92 GiB.
+  ``fordblks`` counts free blocks whether their pages are resident or not, and a trim leaves
+  the blocks in place: once a large step has left 0.5 GiB of free blocks, the small steps after
+  it are trimmed again (as every step was before the threshold). The mmap threshold itself is
+  left alone (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every tensor its own mapping; peak 2.8 GiB, 30% slower; 4 MiB: 2.96 GiB, 15% slower), and so is
   ``THP_MEM_ALLOC_ENABLE`` (torch's huge pages for tensors >= 2 MiB: peak 3.14 GiB, slower).
 
 Trimming is for CPU only (a GPU's memory is torch's caching allocator's); elsewhere than glibc
@@ -53,6 +56,7 @@ __all__ = [
     "heap_free_bytes",
     "heap_trim_callback",
     "trim_heap",
+    "trim_step_heap",
 ]
 
 #: Whether training's bf16 autocast caches its casts of the weights (``torch.autocast``'s
@@ -106,6 +110,12 @@ def heap_free_bytes() -> int | None:
     return None if fn is None else int(fn().fordblks)
 
 
+def trim_step_heap() -> bool:
+    """:func:`trim_heap` inside a training step: only where the heap holds at least
+    :data:`STEP_TRIM_MIN_FREE` free (read at each call)."""
+    return trim_heap(min_free=STEP_TRIM_MIN_FREE)
+
+
 def trim_heap(*, collect: bool = False, min_free: int = 0) -> bool:
     """Return the heap's free pages to the system (after a garbage collection if ``collect``);
     whether anything was returned (False: nothing to return, not glibc, or less than
@@ -128,7 +138,7 @@ def _callback_class() -> type:
 
     class HeapTrimCallback(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            trim_heap(min_free=STEP_TRIM_MIN_FREE)
+            trim_step_heap()
 
     return HeapTrimCallback
 
