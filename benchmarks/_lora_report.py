@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 logger = logging.getLogger("scpdr.benchmarks.lora")
 
@@ -12,18 +13,26 @@ BF16 = "scp-delta-r-b-bf16w"
 GOALS = {"scp-delta-r-b@B1": 0.75, "scp-delta-r-b@B8": 0.75, "memory": 1.25}
 
 
-def decode_choices(targets: list[str]) -> dict[str, bool]:
-    """Per build, whether ``scpdr serve --precision auto`` decodes with bf16 base weights on this
-    CPU (:func:`scpdr.serve.precision.resolve_decode_precision`: measured once per CPU model,
-    logged with its reason), decided at this benchmark's thread count, which is part of the
-    decision's key: a server on another thread count measures for itself."""
+def decode_choices(targets: list[str], *, no_bf16: bool = False) -> dict[str, Any]:
+    """Per build, the precision ``scpdr serve --precision auto`` decodes with on this CPU (a
+    :class:`scpdr.training.precision.PrecisionChoice`; ``.bf16``: bf16 base weights), from
+    :func:`scpdr.serve.precision.resolve_decode_precision` (measured once per CPU model, logged
+    with its reason), decided at this benchmark's thread count, which is part of the decision's
+    key: a server on another thread count measures for itself. Warns where ``--no-bf16`` leaves
+    the served default's speed unmeasured."""
     from scpdr import kernels
     from scpdr.serve.precision import resolve_decode_precision
 
     out = {}
     for t in targets:
         with kernels.using_target(t):
-            out[t] = resolve_decode_precision("auto").bf16
+            out[t] = resolve_decode_precision("auto")
+        if out[t].bf16 and no_bf16:
+            logger.warning(
+                "--no-bf16: the %s build is served with bf16 weights here, so its speed goals "
+                "are not measured (None, not met)",
+                t,
+            )
     return out
 
 
@@ -40,18 +49,14 @@ def meets(key: str, value: float | None) -> bool:
     return value is not None and (value <= goal if key.startswith("memory") else value >= goal)
 
 
-def served_default(served_bf16, ratios, bf16w, batch_sizes, *, no_bf16: bool) -> dict:
-    """Per build, what ``scpdr serve`` decodes with by default (``served_bf16``: from
+def served_default(choices, ratios, bf16w, batch_sizes, *, no_bf16: bool) -> dict:
+    """Per build, what ``scpdr serve`` decodes with by default (``choices``: from
     :func:`decode_choices`), why, that precision's ratios to HF generate and to one model's
     memory (the float32 rows' or the bf16-weight rows'; a bf16 speed is None under
     ``--no-bf16``), and whether they meet :data:`GOALS`."""
-    from scpdr import kernels
-    from scpdr.serve.precision import resolve_decode_precision
-
     out = {}
-    for t, bf16 in served_bf16.items():
-        with kernels.using_target(t):
-            choice = resolve_decode_precision("auto")  # stored: the reason, not a new measure
+    for t, choice in choices.items():
+        bf16 = choice.bf16
         rows = {
             key: None
             if bf16 and no_bf16 and key != "memory"
@@ -96,7 +101,7 @@ def per_target(targets, ratios, served, same_kernels, decisions, kernels) -> dic
             "precision": served[t]["precision"],
             "ratios": served[t]["ratios"],
             "goals_met": served[t]["goals_met"],
-            "float32_ratios": {k: ratios.get(target_key(k, t)) for k in GOALS},
+            "float32_ratios": {k: ratios.get(target_key(k, t)) for k in served[t]["ratios"]},
             "same_kernel_ratios": {
                 k: same_kernels.get(target_key(k, t)) for k in GOALS if k != "memory"
             },

@@ -21,7 +21,7 @@ stacked batch. Measured round-robin in one run (the CPU is shared):
   kernel (``ProtectedLM.from_bundle(dtype=torch.bfloat16)``, ``scpdr serve --precision bf16``;
   the served model is then the bf16-rounded one): its ratio to HF generate, and ``speedup``:
   the float32-weight fast path's step time over its own, per build and batch size
-  (``--no-bf16`` skips it); not a goal;
+  (``--no-bf16`` skips it); the goals' row wherever ``auto`` serves bf16 weights (below);
 - ``served_default``: per build, the precision ``scpdr serve`` decodes with by default
   (``--precision auto``: bf16 base weights only where the CPU has bf16 units and a
   micro-benchmark finds them faster at batch 1 and 8, ``scpdr.serve.precision``), its reason,
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 5)
     mem_rounds = args.memory_rounds or (1 if args.quick else 3)
     base, tok = models.load_base()
-    served_bf16 = decode_choices(targets)  # what `scpdr serve` decodes with, per build
+    choices = decode_choices(targets, no_bf16=args.no_bf16)  # what `scpdr serve` decodes with
     tmp = tempfile.TemporaryDirectory(prefix="bench-lora-")
     root = Path(tmp.name)
     bundle = build_bundle(root, base, rank=args.rank, alpha=args.alpha)
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     # where that is what `scpdr serve` decodes with
     runs = [("single", "native", False)]
     for t in targets:
-        runs += [("protected", t, False)] + ([("protected", t, True)] if served_bf16[t] else [])
+        runs += [("protected", t, False)] + ([("protected", t, True)] if choices[t].bf16 else [])
     rss: dict[str, list[dict[str, int]]] = {memory_key(*r): [] for r in runs}
     for _ in range(0 if args.only == "speed" else mem_rounds):
         for kind, t, bf16 in runs:
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         name = bf16_key("memory", t) if bf16 else target_key("memory", t)
         out[name] = round(mem[key] / mem["single"], 3) if mem["single"] else None
     tmp.cleanup()
-    served = served_default(served_bf16, ratios, bf16w, args.batch_sizes, no_bf16=args.no_bf16)
+    served = served_default(choices, ratios, bf16w, args.batch_sizes, no_bf16=args.no_bf16)
     isa = per_target(targets, ratios, served, same_kernels, decisions, kernels)
     float32 = {k: v for k, v in ratios.items() if "[" not in k}
     ratios, met = served["native"]["ratios"], served["native"]["goals_met"]

@@ -108,13 +108,11 @@ def to_bf16(model: nn.Module, source: Callable[[str], Tensor | None] | None = No
     are memory-mapped from the same file, and converting them would page in all of its float32
     bytes at once beside the bf16 copies (+0.5 GB resident for SmolLM2-135M), while a weight read
     from the checkpoint maps its file for that one tensor only. The result is the same bits."""
-    seen: set[int] = set()
     for name, mod in model.named_modules():
         p = getattr(mod, "weight", None)
-        if not isinstance(p, nn.Parameter) or id(p) in seen or p.device.type != "cpu":
+        if not isinstance(p, nn.Parameter) or p.device.type != "cpu" or source is None:
             continue
-        seen.add(id(p))
-        if p.dtype != torch.float32 or p.dim() != 2 or source is None:
+        if p.dtype != torch.float32 or p.dim() != 2:  # converted already (a tied alias), or 1-D
             continue
         try:
             src = source(name)
