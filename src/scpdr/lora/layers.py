@@ -45,6 +45,7 @@ __all__ = [
     "StackedLoraLinear",
     "choose_gemm",
     "in_chunks",
+    "matching_source",
     "packable",
     "source_weight",
     "synthetic_layer",
@@ -99,7 +100,18 @@ def source_weight(
     module's own weight is used)."""
     w = layer.weight
     relaid = packed or (packable(w) and in_chunks(layer.in_features) > 1)
-    if source is None or w.device.type != "cpu" or not relaid:
+    if w.device.type != "cpu" or not relaid:
+        return None
+    return matching_source(source, name, w)
+
+
+def matching_source(
+    source: Callable[[str], Tensor | None] | None, name: str, w: Tensor
+) -> Tensor | None:
+    """The weight ``source`` reads for module ``name`` where it is ``w``'s (shape, dtype kind,
+    first, middle and last rows), else None: anything odd, e.g. weights converted at load time
+    or a broken checkpoint, means the module's own weight ``w`` is to be used."""
+    if source is None:
         return None
     try:
         src = source(name)
@@ -262,8 +274,9 @@ class StackedLoraLinear(nn.Module):
         rows on AMD Zen 4 and on an Intel Xeon with AMX alike (``docs/lora_fast_path.md``).
         """
         rows = x.numel() // x.shape[-1]
-        few = 1 < rows <= TRANSPOSED_MAX_ROWS and x.device.type == "cpu"
-        few = few and x.dtype == torch.float32
+        few = (
+            1 < rows <= TRANSPOSED_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+        )
         w3 = self.weight_chunks
         if w3 is None:
             layer = self.base_layer

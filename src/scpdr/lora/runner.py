@@ -22,6 +22,7 @@ from scpdr.lora.layers import (
     PackedEmbedding,
     StackedLoraLinear,
     choose_gemm,
+    matching_source,
     packable,
     source_weight,
 )
@@ -110,24 +111,13 @@ def to_bf16(model: nn.Module, source: Callable[[str], Tensor | None] | None = No
     from the checkpoint maps its file for that one tensor only. The result is the same bits."""
     for name, mod in model.named_modules():
         p = getattr(mod, "weight", None)
-        if not isinstance(p, nn.Parameter) or p.device.type != "cpu" or source is None:
+        if not isinstance(p, nn.Parameter) or p.device.type != "cpu":
             continue
         if p.dtype != torch.float32 or p.dim() != 2:  # converted already (a tied alias), or 1-D
             continue
-        try:
-            src = source(name)
-        except Exception as exc:  # a broken checkpoint: the module's weight is correct anyway
-            logger.debug("weight source failed for %s: %s", name, exc)
-            continue
-        rows = [0, p.shape[0] // 2, p.shape[0] - 1]
-        if (
-            src is None
-            or src.shape != p.shape
-            or not torch.equal(src[rows].float(), p.detach()[rows])
-        ):
-            continue
-        p.data = src.to(torch.bfloat16)  # the float32 original is dropped, never paged in
-        del src
+        src = matching_source(source, name, p)
+        if src is not None:
+            p.data = src.to(torch.bfloat16)  # the float32 original is dropped, never paged in
     model.to(torch.bfloat16)  # the rest (norms, biases, float buffers), as before
 
 

@@ -29,7 +29,8 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   ``fordblks`` counts free blocks whether their pages are resident or not, and a trim leaves
   the blocks in place: once a large step has left 0.5 GiB of free blocks, the small steps after
   it are trimmed again (as every step was before the threshold). The mmap threshold itself is
-  left alone (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every tensor its own mapping; peak 2.8 GiB, 30% slower; 4 MiB: 2.96 GiB, 15% slower), and so is
+  left alone (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every tensor its own mapping; peak
+  2.8 GiB, 30% slower; 4 MiB: 2.96 GiB, 15% slower), and so is
   ``THP_MEM_ALLOC_ENABLE`` (torch's huge pages for tensors >= 2 MiB: peak 3.14 GiB, slower).
 
 Trimming is for CPU only (a GPU's memory is torch's caching allocator's); elsewhere than glibc
