@@ -39,12 +39,17 @@ __all__ = ["LoraGroupView", "StackedLoRA", "new_stacked_cache"]
 def _stacked_cache_class() -> type:
     from transformers import DynamicCache
 
+    from scpdr.runtime.kv_cache import layer_class
+
     class StackedCache(DynamicCache):
         """A ``DynamicCache`` whose batch holds G groups of B rows (row ``g·B + b``):
-        ``batch_select_indices(idx)``, with indices among the B rows, keeps them in every group."""
+        ``batch_select_indices(idx)``, with indices among the B rows, keeps them in every group.
+        Its layers are :func:`scpdr.runtime.kv_cache.layer_class` ones (no whole-cache copy per
+        step once long)."""
 
         def __init__(self, groups: int) -> None:
             super().__init__()
+            self.layer_class_to_replicate = layer_class()
             self.groups = groups
 
         def batch_select_indices(self, indices: Tensor) -> None:

@@ -142,13 +142,16 @@ class Decoder:
         for c in self.caches:
             c.batch_select_indices(idx)
         self.generators = [self.generators[j] for j in keep]
-        # drop columns that are padding for every remaining row
-        # (only plain dynamic layers: their keys are (B, heads, T, head_dim), RoPE already applied)
+        # drop columns that are padding for every remaining row (only plain dynamic layers and
+        # kv_cache's: their keys are (B, heads, T, head_dim), RoPE already applied)
         from transformers.cache_utils import DynamicLayer
 
+        from scpdr.runtime.kv_cache import layer_class
+
+        plain = (DynamicLayer, layer_class())
         first = int((self.mask.cumsum(-1) == 0).sum(-1).min())
         layers = [layer for c in self.caches for layer in getattr(c, "layers", [None])]
-        if first > 0 and all(type(x) is DynamicLayer and x.is_initialized for x in layers):
+        if first > 0 and all(type(x) in plain and x.is_initialized for x in layers):
             self.mask = self.mask[:, first:]
             for layer in layers:
                 layer.keys = layer.keys[:, :, first:]

@@ -102,9 +102,9 @@ class PerModelRunner:
         self._full_logits_only: set[int] = set()  # ids of models without logits_to_keep tensors
 
     def new_caches(self) -> list[Any]:
-        from transformers import DynamicCache
+        from scpdr.runtime.kv_cache import new_cache
 
-        return [DynamicCache() for _ in self.models]
+        return [new_cache() for _ in self.models]
 
     def __call__(
         self,
