@@ -78,8 +78,8 @@ def _check_against_dynamic_layer(ops) -> None:
 def test_long_cache_is_written_in_place():
     """From BUFFER_FROM tokens on, a step writes into the buffer: the keys stay views of one
     allocation until it is full (then one copy into a buffer with SPARE_FRACTION to spare), so
-    100 steps from BUFFER_FROM tokens move to a new buffer 3 times (from 256), not 100 as
-    concatenation does."""
+    100 steps from BUFFER_FROM tokens move to a new buffer twice (from 256), not 100 times
+    as concatenation does."""
     layer = kv_cache.layer_class()()
     start = kv_cache.BUFFER_FROM
     layer.update(torch.zeros(2, 3, start, 8), torch.zeros(2, 3, start, 8))
@@ -124,12 +124,14 @@ def test_decoding_is_the_same_with_buffered_caches(request, monkeypatch, which):
     in place: the fast path's stacked cache and the general runner's caches."""
     lm = ProtectedLM.from_bundle(request.getfixturevalue(which), method="scp-delta-r")
     assert lm.fast_path.on == (which == "lora_bundle")
+    caches = lm.runner.new_caches()  # the runner protocol: what decoding fills
+    assert caches and all(c.layer_class_to_replicate is kv_cache.layer_class() for c in caches)
     prompts = ["My secret code is", "Hello there, how are you doing on this fine day", "x"]
     n = [12, 5, 9]
     out = {}
     for buffer_from in (10**9, 3):
         monkeypatch.setattr(kv_cache, "BUFFER_FROM", buffer_from)
         out[buffer_from] = lm.generate(prompts, max_new_tokens=n, stop_at_eos=False)
-    for a, b in zip(out[10**9], out[3], strict=True):
-        assert a.token_ids == b.token_ids and len(a.token_ids) in n
+    for a, b, k in zip(out[10**9], out[3], n, strict=True):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == k
         assert a.logprobs == b.logprobs and a.k_x == b.k_x and a.t_x == b.t_x

@@ -20,7 +20,9 @@ threshold sits past the batch-1 crossing.
 Every other operation of a ``DynamicLayer`` (``crop``, ``batch_select_indices``, beam
 reordering, a caller assigning ``keys``) replaces ``keys``/``values`` with new tensors; the next
 update sees that they are no longer its buffer's views and copies them into a fresh buffer, so
-the values attention sees are always those of ``DynamicLayer`` (tested bit for bit).
+the values attention sees are always those of ``DynamicLayer`` (tested bit for bit). Updates
+write into the buffer in place: decoding runs them under ``torch.inference_mode`` (no autograd
+graph holds a view), as ``scpdr.runtime.decoding`` does.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def layer_class() -> type:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             if not ours or need > self._buffers[0].shape[-2]:  # (re-)allocate, copy what is held
+                self._buffers = self._views = None  # the old buffer may go before the new one
                 room = need + max(SPARE_MIN, int(need * SPARE_FRACTION))
                 self._buffers = tuple(
                     s.new_empty(*s.shape[:-2], room, s.shape[-1])
