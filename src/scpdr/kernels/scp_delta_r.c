@@ -2,13 +2,14 @@
    Built, measured against torch and loaded by scpdr/kernels/build.py; scpdr.naf.scp_delta_r
    uses it where it is the faster (scpdr.naf.scp_delta_r_torch is the torch implementation).
 
-   Per row: max and sum-exp of each distribution (a constituent's exponentials kept for its
-   scores: one exponential per token and constituent), its floored mean (the base's floored
-   mass without exponentials except where tokens reach the floor), the smoothing scores p·d
-   block by block into an L1 buffer with a running top-m (sub-blocks that cannot reach the
-   m-th score are not scanned), the union U of kept tokens, one output pass. The loops are plain C that the compiler vectorizes for the target ISA
-   (#pragma omp simd); the blocking (1024 floats, 8 KiB of scores per block) fits the L1 cache
-   of every ISA the package targets, so nothing here depends on the register file.
+   Per row: max and sum-exp of each distribution, its exponentials kept (one exponential per
+   token and distribution, the base's included), its floored mean and (the base's) floored
+   mass from the kept exponentials, the smoothing scores p·d block by block into an L1 buffer
+   with a running top-m (sub-blocks that cannot reach the m-th score are not scanned), the
+   union U of kept tokens, one output pass. The loops are plain C that the compiler
+   vectorizes for the target ISA (#pragma omp simd); the blocking (1024 floats, 8 KiB of
+   scores per block) fits the L1 cache of every ISA the package targets, so nothing here
+   depends on the register file.
 
    S_m's kept set (§4.1) is the m tokens of largest score, ties broken by the smaller token id
    (the order the insertion buffer keeps: an equal score never displaces an earlier token), as
@@ -98,13 +99,15 @@ static double max_logsum_store(const float *x, int64_t v, float *e, float *mx_ou
 /* One row's log-sum-exp as mx + logs, the mean of its floored log-probs y = max(x - mx - logs,
    LOG_FLOOR) and (z_out, may be NULL) the sum of its floored probabilities, sum max(p,
    e^LOG_FLOOR) = sum e^y, from sum p = e^(log s - logs) (the float rounding of logs) and the
-   floored tokens' shortfall, which only blocks reaching the floor compute. e: NULL, or room
-   for the row's exp(x - max) (see max_logsum_store). */
+   floored tokens' shortfall e^LOG_FLOOR - p, which only blocks reaching the floor compute,
+   from the stored exponentials when there are any (p = e[t]·e^-logs: no second exponential
+   per token). e: NULL, or room for the row's exp(x - max) (see max_logsum_store). */
 static void row_stats(const float *x, int64_t v, float *e, float *mx_out, float *logs_out,
                       float *mean_out, double *z_out) {
     float mx, logs;
     const double log_s = e ? max_logsum_store(x, v, e, &mx, &logs) : max_logsum(x, v, &mx, &logs);
     const float floor_p = vexpf(LOG_FLOOR);
+    const float c = (float)exp(-(double)logs); /* e^-logs: p = e[t]·c */
     double acc = 0.0, short_p = 0.0;
     for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
         const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
@@ -119,10 +122,19 @@ static void row_stats(const float *x, int64_t v, float *e, float *mx_out, float 
         acc += (double)ba;
         if (z_out && bmin < LOG_FLOOR) { /* e^F - p of the floored tokens of this block */
             float bz = 0.0f;
+            if (e) {
+                const float *eb = e + t0;
 #pragma omp simd reduction(+ : bz)
-            for (int64_t t = 0; t < len; t++) {
-                const float y = (xb[t] - mx) - logs;
-                bz += y < LOG_FLOOR ? floor_p - vexpf(y) : 0.0f;
+                for (int64_t t = 0; t < len; t++) {
+                    const float y = (xb[t] - mx) - logs;
+                    bz += y < LOG_FLOOR ? floor_p - eb[t] * c : 0.0f;
+                }
+            } else {
+#pragma omp simd reduction(+ : bz)
+                for (int64_t t = 0; t < len; t++) {
+                    const float y = (xb[t] - mx) - logs;
+                    bz += y < LOG_FLOOR ? floor_p - vexpf(y) : 0.0f;
+                }
             }
             short_p += (double)bz;
         }
@@ -207,12 +219,12 @@ int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v,
     }
     float mx_b0 = 0.0f, ls_b0 = 0.0f, mu_b0 = 0.0f;
     double zb0 = 0.0;
-    if (base_rows == 1) row_stats(base, v, NULL, &mx_b0, &ls_b0, &mu_b0, &zb0); /* once for all rows */
+    if (base_rows == 1) row_stats(base, v, e, &mx_b0, &ls_b0, &mu_b0, &zb0); /* once for all rows */
     for (int64_t row = 0; row < n; row++) {
         const float *b = base + (base_rows == 1 ? 0 : row * v);
         float mx_b = mx_b0, ls_b = ls_b0, mu_b = mu_b0;
         double z_base = zb0;
-        if (base_rows != 1) row_stats(b, v, NULL, &mx_b, &ls_b, &mu_b, &z_base);
+        if (base_rows != 1) row_stats(b, v, e, &mx_b, &ls_b, &mu_b, &z_base);
         float mx[MAX_K], ls[MAX_K], mu[MAX_K], c[MAX_K];
         int64_t idx[MAX_K][MAX_M];
         for (int64_t i = 0; i < k; i++) {
