@@ -39,7 +39,8 @@ difference is the order of floating-point additions (``x·Wᵀ + s·(x·Aᵀ)·B
 Modules: :mod:`~scpdr.lora.adapters` (read PEFT adapters, write random ones),
 :mod:`~scpdr.lora.layers` (the wrapped linears, the kernel choice), :mod:`~scpdr.lora.runner`
 (:class:`StackedLoRA`, the runner of :mod:`scpdr.runtime.runner`; it never imports
-``ProtectedLM``), :mod:`~scpdr.lora.loading` (detection at bundle load).
+``ProtectedLM``), :mod:`~scpdr.lora.loading` (detection at bundle load), :mod:`~scpdr.lora.mapped` (whether a
+module's weight is still the checkpoint's mapped bytes, told without paging it in).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from scpdr.lora.layers import (
 )
 from scpdr.lora.loading import (
     ENV_SWITCH,
+    CheckpointWeights,
     checkpoint_weight_source,
     fast_path_from_bundle,
     stacked_from_bundle,
@@ -71,6 +73,7 @@ __all__ = [
     "CHUNK_IN_FEATURES",
     "ENV_SWITCH",
     "TRANSPOSED_MAX_ROWS",
+    "CheckpointWeights",
     "GroupMode",
     "LoraAdapter",
     "LoraGroupView",

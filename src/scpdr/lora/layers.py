@@ -108,18 +108,25 @@ def source_weight(
 def matching_source(
     source: Callable[[str], Tensor | None] | None, name: str, w: Tensor
 ) -> Tensor | None:
-    """The weight ``source`` reads for module ``name`` where it is ``w``'s (shape, dtype kind,
-    first, middle and last rows), else None: anything odd, e.g. weights converted at load time
-    or a broken checkpoint, means the module's own weight ``w`` is to be used."""
+    """The weight ``source`` reads for module ``name`` where it is ``w``'s, else None: anything
+    odd, e.g. weights converted at load time or a broken checkpoint, means the module's own
+    weight ``w`` is to be used. Where ``source`` can tell (its ``holds(name, w)``,
+    :class:`scpdr.lora.CheckpointWeights` on Linux) that ``w`` is the checkpoint's own mapped
+    bytes, unwritten, that settles it without reading ``w`` (which would page in its mapping:
+    :mod:`scpdr.lora.mapped`); a view of them written since means None. Otherwise the shape,
+    dtype kind and first, middle and last rows are compared."""
     if source is None:
         return None
     try:
         src = source(name)
+        same = getattr(source, "holds", lambda _n, _w: None)(name, w)
     except Exception as exc:  # a broken checkpoint: the module's weight is correct anyway
         logger.debug("weight source failed for %s: %s", name, exc)
         return None
-    if src is None or src.shape != w.shape or not src.dtype.is_floating_point:
+    if src is None or src.shape != w.shape or not src.dtype.is_floating_point or same is False:
         return None
+    if same:
+        return src
     rows = [0, w.shape[0] // 2, w.shape[0] - 1]
     if not torch.equal(src[rows].to(w.dtype), w.detach()[rows]):
         return None

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from scpdr.lora import mapped
 from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError, read_lora_adapter
 from scpdr.lora.runner import StackedLoRA
 
@@ -24,35 +24,61 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_SWITCH", "checkpoint_weight_source", "fast_path_from_bundle", "stacked_from_bundle"]
+__all__ = [
+    "ENV_SWITCH",
+    "CheckpointWeights",
+    "checkpoint_weight_source",
+    "fast_path_from_bundle",
+    "stacked_from_bundle",
+]
 
 #: Environment variable: set to "0" to turn the fast path off (the general path is then used).
 ENV_SWITCH = "SCPDR_LORA_FAST"
 
 
-def checkpoint_weight_source(model_dir: str | os.PathLike[str]) -> Callable[[str], Tensor | None]:
+class CheckpointWeights:
     """``module name -> its weight`` read from the safetensors checkpoint in ``model_dir``
     (``model.safetensors`` or a sharded index), or None when absent. Each call opens its file
-    with its own memory map, released once the returned tensor is dropped."""
-    d = Path(os.fspath(model_dir))
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = {k: d / v for k, v in weight_map.items()}
-    else:
-        files = None
+    with its own memory map, released once the returned tensor is dropped. :meth:`holds` tells
+    whether a module's weight is still that checkpoint tensor's own mapped bytes without
+    reading it (:mod:`scpdr.lora.mapped`)."""
 
-    def read(name: str) -> Tensor | None:
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+        d = Path(os.fspath(model_dir))
+        index = d / "model.safetensors.index.json"
+        self._dir = d
+        self._files: dict[str, Path] | None = None
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            self._files = {k: d / v for k, v in weight_map.items()}
+
+    def _file(self, key: str) -> Path | None:
+        f = self._files.get(key) if self._files is not None else self._dir / "model.safetensors"
+        return f if f is not None and f.is_file() else None
+
+    def __call__(self, name: str) -> Tensor | None:
         from safetensors import safe_open
 
         key = f"{name}.weight"
-        f = files.get(key) if files is not None else d / "model.safetensors"
-        if f is None or not f.is_file():
+        f = self._file(key)
+        if f is None:
             return None
         with safe_open(str(f), framework="pt") as fh:
             return fh.get_tensor(key) if key in fh.keys() else None
 
-    return read
+    def holds(self, name: str, w: Tensor) -> bool | None:
+        """:func:`scpdr.lora.mapped.holds` for module ``name``'s weight ``w``: True when ``w``
+        is this checkpoint's unwritten mapped tensor, False when it is that view but written
+        since, None when that cannot be told."""
+        key = f"{name}.weight"
+        f = self._file(key)
+        return None if f is None else mapped.holds(w, f, key)
+
+
+def checkpoint_weight_source(model_dir: str | os.PathLike[str]) -> CheckpointWeights:
+    """The weights of the safetensors checkpoint in ``model_dir`` by module name
+    (:class:`CheckpointWeights`)."""
+    return CheckpointWeights(model_dir)
 
 
 def _canonical(ref: str) -> str:
