@@ -4,7 +4,8 @@ could use.
 - ``gemm``: one layer of the embedded SmolLM2-135M (q, k, v, o, gate, up, down), four copies
   (~56 MB: more than the L3, so that the weights stream from memory as in decoding), at 1, 3, 8
   and 24 rows: the packed kernel against ``F.linear`` (MKL), for the build's own tile and, with
-  ``--tiles``, the alternatives of its ISA (``-DSCPDR_TILE_MR``/``-DSCPDR_TILE_NV``);
+  ``--tiles``, the same without its next-panel prefetch and the alternative tiles of its ISA
+  (``-DSCPDR_TILE_MR``/``-DSCPDR_TILE_NV``);
 - ``scp-delta-r``: the fused kernel against :func:`scpdr.naf.scp_delta_r_torch` at V = 49152,
   K = 2, m = 10, batch 1 and 8, and at the largest size used without measuring
   (:data:`scpdr.kernels.scp.SMALL_ELEMENTS`);
@@ -47,8 +48,11 @@ TILES = {
 }
 
 
-def gemm_case(lib_path: Path, copies: int, repeats: int) -> dict[str, float]:
-    """``{"at N rows": torch / kernel}`` for a packed_gemm build at ``lib_path``."""
+def gemm_case(
+    lib_path: Path, copies: int, repeats: int, *, prefetch: bool = True
+) -> dict[str, float]:
+    """``{"at N rows": torch / kernel}`` for a packed_gemm build at ``lib_path`` (with its
+    next-panel prefetch on or off)."""
     import torch
 
     from scpdr.kernels.gemm import pack_panels
@@ -58,6 +62,8 @@ def gemm_case(lib_path: Path, copies: int, repeats: int) -> dict[str, float]:
     fn = lib.scpdr_gemm_packed_f32
     fn.argtypes, fn.restype = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, i64], None
     lib.scpdr_panel_width.restype = i64
+    lib.scpdr_gemm_set_prefetch.argtypes = [ctypes.c_int]
+    lib.scpdr_gemm_set_prefetch(1 if prefetch else 0)
     width = lib.scpdr_panel_width()
     shapes = LAYER * copies
     ws = [torch.full((o, i), 0.01) for i, o in shapes]
@@ -88,13 +94,16 @@ def gemm_tiles(target: str, isa: str, tiles: bool, copies: int, repeats: int) ->
     compiler = os.environ.get("CC") or "cc"
     out = {}
     alternatives = TILES.get(isa, [])[1:] if tiles else []
-    for tile in [None, *alternatives]:  # None: the build's own tile
+    # None: the build's own tile; "no prefetch": the same without its next-panel prefetch
+    for tile in [None, *(["no prefetch"] if tiles else []), *alternatives]:
         extra = ["-fopenmp"]
-        if tile is not None:
+        if isinstance(tile, tuple):
             extra += [f"-DSCPDR_TILE_MR={tile[0]}", f"-DSCPDR_TILE_NV={tile[1]}"]
         path = build.compile_library("packed_gemm", source, compiler, target, extra)
-        label = "default" if tile is None else f"{tile[0]}x{tile[1]}"
-        out[label] = gemm_case(path, copies, repeats)
+        label = (
+            tile if isinstance(tile, str) else "default" if tile is None else "{}x{}".format(*tile)
+        )
+        out[label] = gemm_case(path, copies, repeats, prefetch=tile != "no prefetch")
         logger.info("gemm %s (%s) tile %s: %s", target, isa, label, out[label])
     return out
 

@@ -321,7 +321,7 @@ def test_the_kernels_in_use_are_the_environment_targets_builds():
     the packed GEMM, CP-Fuse's — and what the runtime's choices hand out, so that ``make test``'s
     second pass (x86-64-v3: the AVX2 code) really tests that build; its switches force the
     kernels on (SCPDR_NAF_KERNEL=1, SCPDR_GEMM_KERNEL=1: nothing measured picks torch)."""
-    from scpdr.lora.layers import choose_gemm
+    from scpdr.lora import choose_gemm
 
     assert build.default_target() == TARGET
     libs = {"scp": SCP, "gemm": gemm.library().lib, "cp_fuse": kernels.cp_fuse.library()}
@@ -408,18 +408,51 @@ def test_packed_gemm_without_openmp_builds_single_threaded(fresh, monkeypatch, c
     _gemm_check(lib)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 13, 24, 40])
+def test_the_next_panel_prefetch_changes_no_bit(rows):
+    """Prefetching the next panel (tiles after a panel's first) changes only when bytes arrive:
+    float32 and bf16 panels, any row count (one tile or several), the same bits either way."""
+    lib = gemm.library()
+    if lib is None or not lib.tiled:
+        pytest.skip("no packed GEMM build with a register tile here")
+    g = torch.Generator().manual_seed(rows)
+    n, k = 3 * lib.panel_width + 5, 301  # several panels, a partial one, an odd k
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    was = lib.prefetch
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            packed = gemm.pack_panels(w, lib.panel_width, dtype=dtype)
+            out = {}
+            for on in (True, False):
+                lib.set_prefetch(on)
+                assert lib.prefetch is on
+                out[on] = gemm.lora_linear(lib, x, packed, n, groups=1)
+            assert torch.equal(out[True], out[False])
+            want = gemm.lora_linear_reference(x, packed, n, groups=1)
+            torch.testing.assert_close(out[True], want, atol=1e-4, rtol=1e-4)
+    finally:
+        lib.set_prefetch(was)
+
+
 def test_the_gemm_choice_is_measured_logged_and_remembered(fresh, caplog):
-    """choose_gemm times the kernel against torch's layers on the model's shapes at the decode
-    row counts (G and 8·G), keeps the faster, logs it once; a forced side is not measured."""
-    from scpdr.lora.layers import choose_gemm
+    """choose_gemm first times the kernel with and without its next-panel prefetch at 8·G rows
+    (two tiles or more per panel) and sets the faster on the build, then times the kernel
+    against torch's layers on the model's shapes at the decode row counts (G and 8·G), keeps
+    the faster; each decision is logged once; a forced side is not measured."""
+    from scpdr.lora import choose_gemm
 
     shapes = [(96, 96, 4), (96, 32, 4), (192, 96, 0)]
     with caplog.at_level(logging.INFO, logger="scpdr.kernels"):
         chosen = choose_gemm(shapes, groups=3, lora=2)
         assert choose_gemm(shapes, groups=3, lora=2) is chosen  # remembered
     lines = [r.getMessage() for r in caplog.records if "packed GEMM" in r.getMessage()]
-    assert len(lines) == 1 and "× torch at 3 rows" in lines[0] and "at 24 rows" in lines[0]
-    assert lines[0].endswith("kernel used" if chosen is not None else "torch used")
+    assert len(lines) == 2
+    prefetch, kernel = lines
+    assert "next-panel prefetch" in prefetch and "at 24 rows" in prefetch
+    assert prefetch.endswith(": on" if gemm.library().prefetch else ": off")
+    assert "× torch at 3 rows" in kernel and "at 24 rows" in kernel
+    assert kernel.endswith("kernel used" if chosen is not None else "torch used")
     assert len(list(fresh.glob("packed_gemm-*.choices.json"))) == 1
     with kernels.force("packed_gemm", "torch"):
         assert choose_gemm(shapes, groups=3, lora=2) is None

@@ -57,6 +57,7 @@ __all__ = [
     "Choice",
     "Library",
     "Side",
+    "choices_file",
     "choose",
     "decisions",
     "default_target",
@@ -349,7 +350,8 @@ def interleaved_medians(
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
-def _choices_file(lib: Library) -> Path:
+def choices_file(lib: Library) -> Path:
+    """Where ``lib``'s measured decisions are stored (``<library>.choices.json``)."""
     return lib.path.with_suffix(".choices.json")
 
 
@@ -437,7 +439,7 @@ def choose(
     if side != "auto":
         return Choice(side == "kernel", f"forced ({SWITCHES[lib.name]} or scpdr.kernels.force)")
     return measured_choice(
-        _choices_file(lib),
+        choices_file(lib),
         shape,
         measure,
         describe=lambda choice: _describe(title, lib, choice),
@@ -447,7 +449,7 @@ def choose(
 
 def remembered(lib: Library, shape: str, choice: Choice, *, title: str) -> Choice:
     """Record a decision made without measuring (e.g. an ISA without a tile), logged once."""
-    key = (str(_choices_file(lib)), shape)
+    key = (str(choices_file(lib)), shape)
     with _STATE.lock:
         if key not in _STATE.choices:
             logger.info("%s", _describe(title, lib, choice))
@@ -460,7 +462,7 @@ def decisions() -> dict[str, dict[str, object]]:
     build) <shape class>": {"use_kernel": bool, "speedups": {what: torch/kernel time}}}``."""
     with _STATE.lock:
         items = list(_STATE.choices.items())
-    libs = {str(_choices_file(lib)): lib for lib in _STATE.libraries.values() if lib is not None}
+    libs = {str(choices_file(lib)): lib for lib in _STATE.libraries.values() if lib is not None}
     out: dict[str, dict[str, object]] = {}
     for (path, shape), choice in items:
         lib = libs.get(path)

@@ -59,6 +59,16 @@ class GemmLibrary:
         """Whether the build has a register tile for its ISA (else torch is used)."""
         return self.lib.isa in TILED_ISAS
 
+    @property
+    def prefetch(self) -> bool:
+        """Whether a panel's tiles after the first prefetch the next panel into L2 (on when
+        loaded; :func:`scpdr.lora.gemm_choice.choose_gemm` keeps it only where faster)."""
+        return bool(self.lib.cdll.scpdr_gemm_prefetch())
+
+    def set_prefetch(self, on: bool) -> None:
+        """Turn the next-panel prefetch on or off for every caller of this build."""
+        self.lib.cdll.scpdr_gemm_set_prefetch(1 if on else 0)
+
 
 def _configure(lib: ctypes.CDLL) -> str:
     gemm = lib.scpdr_gemm_packed_f32
@@ -75,6 +85,8 @@ def _configure(lib: ctypes.CDLL) -> str:
     for fn in (lib.scpdr_panel_width, lib.scpdr_tile_rows):
         fn.argtypes, fn.restype = [], _I64
     lib.scpdr_gemm_isa.argtypes, lib.scpdr_gemm_isa.restype = [], ctypes.c_char_p
+    lib.scpdr_gemm_set_prefetch.argtypes, lib.scpdr_gemm_set_prefetch.restype = [ctypes.c_int], None
+    lib.scpdr_gemm_prefetch.argtypes, lib.scpdr_gemm_prefetch.restype = [], ctypes.c_int
     return lib.scpdr_gemm_isa().decode()
 
 

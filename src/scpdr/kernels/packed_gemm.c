@@ -7,8 +7,10 @@
    panels of NR output columns, panel p being the (K, NR) block W[p·NR : p·NR + NR, :]ᵀ (rows
    past N are zero), so that a micro-kernel holding an MR x NR tile of y in registers reads each
    panel contiguously: one weight stream for up to MR rows, the panel re-read from L1/L2 for the
-   next MR rows, and the rows' inputs broadcast from L1/L2. Rows are processed in chunks whose
-   inputs fit L2; past one chunk the weights of a layer are re-read from L3.
+   next MR rows, and the rows' inputs broadcast from L1/L2; while the later tiles of a panel
+   compute, they prefetch the next panel into L2 (where measured faster: scpdr_gemm_set_prefetch).
+   Rows are processed in chunks whose inputs fit L2; past one chunk the weights of a layer are
+   re-read from L3.
 
    The tile is chosen at build time from the compiler's predefined macros so that its MR x NV
    accumulators (NV vectors of the ISA's width per row, NR = NV x lanes) plus NV weight vectors
@@ -82,6 +84,13 @@
 
 typedef float vf __attribute__((vector_size(VBYTES), aligned(4)));
 
+/* Whether the tiles after a panel's first prefetch the next panel (gemm_panels): on, unless
+   scpdr_gemm_set_prefetch(0) (the Python side measures both and keeps the faster). */
+static int prefetch_next = 1;
+void scpdr_gemm_set_prefetch(int on) { prefetch_next = on != 0; }
+int scpdr_gemm_prefetch(void) { return prefetch_next; }
+#define PREFETCH(a) __builtin_prefetch((a), 0, 2) /* read, into L2 */
+
 /* What this build is: the ISA its tile is for, and the tile (the Python side packs panels of
    scpdr_panel_width() columns). */
 const char *scpdr_gemm_isa(void) { return ISA_NAME; }
@@ -102,7 +111,8 @@ typedef uint32_t vu __attribute__((vector_size(VBYTES), aligned(4)));
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, const float *x,
                                                        int64_t ldx, const void *panel, float *y,
                                                        int64_t ldy, int64_t nvalid,
-                                                       int accumulate, const int bf16) {
+                                                       int accumulate, const int bf16,
+                                                       const char *pf, int64_t pf_step) {
     vf c[MR][NV];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NV; j++) c[i][j] = (vf){0};
@@ -110,6 +120,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
         const vu *w = (const vu *)panel;
         int64_t kk = 0;
         for (; kk + 1 < k; kk += 2, w += NV) {
+            if (pf) PREFETCH(pf + (kk >> 1) * pf_step);
             /* input k, then input k + 1 from the same words (re-read from L1): NV weight
                registers at a time, as in the float32 loop (AVX2 has 16 in all) */
             vf wv[NV];
@@ -134,6 +145,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
         }
     } else {
         for (int64_t kk = 0; kk < k; kk++) {
+            if (pf) PREFETCH(pf + kk * pf_step);
             const vf *w = (const vf *)((const float *)panel + kk * NR);
             vf wv[NV];
             for (int j = 0; j < NV; j++) wv[j] = w[j];
@@ -159,13 +171,18 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
 }
 
 static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const void *panel,
-                      float *y, int64_t ldy, int64_t nvalid, int accumulate, int bf16) {
+                      float *y, int64_t ldy, int64_t nvalid, int accumulate, int bf16,
+                      const char *pf, int64_t pf_step) {
 #define TILE(R)                                                                                \
     case R:                                                                                    \
-        if (bf16)                                                                              \
-            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 1);                          \
+        if (bf16 && pf)                                                                        \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 1, pf, pf_step);             \
+        else if (bf16)                                                                         \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 1, NULL, 0);                 \
+        else if (pf)                                                                           \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0, pf, pf_step);             \
         else                                                                                   \
-            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0);                          \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0, NULL, 0);                 \
         break;
     switch (mr) { /* a constant row count per case: the accumulators stay in registers */
 #if MR >= 12
@@ -234,10 +251,22 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t
             /* ceil(mc / MR) tiles of balanced heights (8 rows: 4 + 4, not 6 + 2: a short tile
                has too few independent accumulators to hide the FMA latency) */
             const int64_t tiles = (mc + tr - 1) / tr;
+            const int64_t iters = bf16 ? k / 2 : k; /* tile()'s loop steps over the panel */
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t i = mc * t / tiles, mr = mc * (t + 1) / tiles - i;
+                /* The first tile streams the panel from memory; the others re-read it from
+                   L1/L2 and are compute-bound: they prefetch the next panel into L2, a share
+                   each, so that the next first tile finds it there (AVX2 build at 24 rows on
+                   an Intel Xeon: 14.3-14.8 -> 10.9-11.7 ms for a layer's linears x 4) */
+                const char *pf = NULL;
+                int64_t pf_step = 0;
+                if (prefetch_next && t >= 1 && p + 1 < p1 && iters > 0) {
+                    const int64_t part = (panel_bytes + tiles - 2) / (tiles - 1);
+                    pf = (const char *)panel + panel_bytes + (t - 1) * part;
+                    pf_step = (part + iters - 1) / iters;
+                }
                 tile_rows(mr, k, x + (m0 + i) * ldx, ldx, panel, y + (m0 + i) * ldy + p * NR,
-                          ldy, nvalid, accumulate, bf16);
+                          ldy, nvalid, accumulate, bf16, pf, pf_step);
             }
         }
     }

@@ -14,7 +14,7 @@ forward of the base over a stacked batch of G·B rows (row ``g·B + b`` is row b
   ``baddbmm(y, ·, B)``, no per-adapter Python loop;
 - on CPU in float32 every linear (base matmul of all stacked rows plus the groups' deltas) is
   one call of a C kernel on weights re-laid out once in panels (``kernels/packed_gemm.c``, a
-  register tile per ISA): where :func:`scpdr.lora.layers.choose_gemm` measured it faster than
+  register tile per ISA): where :func:`scpdr.lora.gemm_choice.choose_gemm` measured it faster than
   torch's sgemm on this machine (2-3x with AVX-512 or AVX2 here); a tied input embedding is
   then looked up in the packed head (:class:`PackedEmbedding`). Otherwise — no C compiler, no
   tile for the ISA, slower here, or ``SCPDR_GEMM_KERNEL=0`` — torch's matmuls are used
@@ -37,9 +37,10 @@ difference is the order of floating-point additions (``x·Wᵀ + s·(x·Aᵀ)·B
 ``x·(W + s·B·A)ᵀ``). Like the KV caches, a stack serves one forward at a time (not thread-safe).
 
 Modules: :mod:`~scpdr.lora.adapters` (read PEFT adapters, write random ones),
-:mod:`~scpdr.lora.layers` (the wrapped linears, the kernel choice), :mod:`~scpdr.lora.runner`
-(:class:`StackedLoRA`, the runner of :mod:`scpdr.runtime.runner`; it never imports
-``ProtectedLM``), :mod:`~scpdr.lora.loading` (detection at bundle load), :mod:`~scpdr.lora.mapped` (whether a
+:mod:`~scpdr.lora.layers` (the wrapped linears), :mod:`~scpdr.lora.gemm_choice` (kernel or
+torch, measured; the kernel's prefetch), :mod:`~scpdr.lora.runner` (:class:`StackedLoRA`, the
+runner of :mod:`scpdr.runtime.runner`; it never imports ``ProtectedLM``),
+:mod:`~scpdr.lora.loading` (detection at bundle load), :mod:`~scpdr.lora.mapped` (whether a
 module's weight is still the checkpoint's mapped bytes, told without paging it in).
 """
 
@@ -52,13 +53,13 @@ from scpdr.lora.adapters import (
     read_lora_adapter,
     save_random_lora,
 )
+from scpdr.lora.gemm_choice import choose_gemm
 from scpdr.lora.layers import (
     CHUNK_IN_FEATURES,
     TRANSPOSED_MAX_ROWS,
     GroupMode,
     PackedEmbedding,
     StackedLoraLinear,
-    choose_gemm,
 )
 from scpdr.lora.loading import (
     ENV_SWITCH,

@@ -1,11 +1,11 @@
-"""The layers of the shared-base LoRA fast path (:mod:`scpdr.lora`; paper App. E)
-and the choice of their matmul kernel (measured per instruction set).
+"""The layers of the shared-base LoRA fast path (:mod:`scpdr.lora`; paper App. E); the choice of
+their matmul kernel (measured per instruction set) is :mod:`scpdr.lora.gemm_choice`.
 
 Every ``nn.Linear`` of the shared base becomes a :class:`StackedLoraLinear`: the base matmul of
 all stacked rows plus the LoRA deltas of the groups with adapters, either
 
 - on CPU in float32 in one call of the packed C kernel (:mod:`scpdr.kernels.gemm`) on weights
-  re-laid out once in panels of its ISA's tile width — where :func:`choose_gemm` measured it
+  re-laid out once in panels of its ISA's tile width — where :func:`scpdr.lora.gemm_choice.choose_gemm` measured it
   faster than torch on this machine for the model's shapes at the decode row counts (once, in
   a fraction of a second, remembered in ``$SCPDR_HOME/kernels``; ``SCPDR_GEMM_KERNEL=0``/``1``
   forces a side) — with a tied input embedding looked up in the packed head
@@ -17,9 +17,8 @@ Results equal torch's up to the order of the float additions.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -38,18 +37,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_IN_FEATURES",
-    "MEASURE_WEIGHT_BYTES",
     "TRANSPOSED_MAX_ROWS",
     "GroupMode",
     "PackedEmbedding",
     "StackedLoraLinear",
-    "choose_gemm",
     "in_chunks",
     "matching_source",
     "packable",
     "source_weight",
-    "synthetic_layer",
-    "time_layers",
 ]
 
 #: Row counts (stacked batch x tokens) up to which the base matmul of a wrapped linear runs as
@@ -57,13 +52,6 @@ __all__ = [
 TRANSPOSED_MAX_ROWS = 6
 #: Input width of one weight chunk in the few-rows CPU kernel (wider linears are split).
 CHUNK_IN_FEATURES = 576
-#: Bytes of float32 weights the first-use measurement of :func:`choose_gemm` runs through per
-#: call (copies of the model's distinct linear shapes): near this machine class's L3 (32 MiB),
-#: so that most of them stream from memory as in decoding.
-MEASURE_WEIGHT_BYTES = 32 << 20
-#: Rows per group the measurement times: decode steps of batch 1 and 8.
-MEASURE_ROWS_PER_GROUP = (1, 8)
-_TITLE = "packed GEMM"
 
 
 class GroupMode:
@@ -382,105 +370,3 @@ class StackedLoraLinear(nn.Module):
         if w is not None and w.dtype == torch.bfloat16:
             kernel += ", bf16 weights"
         return f"groups_with_lora={self.num_lora}, rank={self.rank}, kernel={kernel}"
-
-
-# --------------------------------------------------------------------------------------------
-# kernel or torch: measured on the model's shapes
-
-
-def synthetic_layer(
-    shape: tuple[int, int, int],
-    lora: int,
-    gemm: GemmLibrary | None,
-    *,
-    groups: int,
-    dtype: torch.dtype = torch.float32,
-    weight_dtype: torch.dtype = torch.float32,
-) -> StackedLoraLinear:
-    """A :class:`StackedLoraLinear` of ``(in, out, rank)`` with ``lora`` adapters and constant
-    weights (their values do not change the speed), seeing ``groups`` stacked groups: packed
-    for ``gemm`` (base panels in ``weight_dtype``) or on torch's layout in ``dtype``. What the
-    kernel/torch and decoding-precision measurements time."""
-    n_in, n_out, rank = shape
-    layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, dtype=dtype)
-    layer.weight.requires_grad_(False).fill_(0.01)
-    a = b = None
-    if rank:
-        a = torch.full((lora, n_in, rank), 0.01, dtype=dtype)
-        b = torch.full((lora, rank, n_out), 0.01, dtype=dtype)
-    mode = GroupMode()
-    mode.stacked = groups
-    return StackedLoraLinear(layer, a, b, mode, gemm=gemm, weight_dtype=weight_dtype)
-
-
-def time_layers(
-    sides: dict[str, tuple[list[StackedLoraLinear], torch.dtype]], rows: int, *, repeats: int
-) -> dict[str, float]:
-    """Median seconds of one pass of each side's layers over ``rows`` input rows of the side's
-    dtype, the sides timed round-robin (:func:`scpdr.kernels.interleaved_medians`)."""
-    xs = {
-        side: {lin.in_features: torch.full((rows, lin.in_features), 0.5, dtype=dtype)
-               for lin in layers}
-        for side, (layers, dtype) in sides.items()
-    }  # fmt: skip
-
-    def run(side: str) -> None:
-        for lin in sides[side][0]:
-            lin(xs[side][lin.in_features])
-
-    with torch.inference_mode():
-        return kernels.interleaved_medians(
-            {side: (lambda s=side: run(s)) for side in sides}, repeats=repeats
-        )
-
-
-def _measure(
-    gemm: GemmLibrary, shapes: list[tuple[int, int, int]], groups: int, lora: int
-) -> list[tuple[str, float, float]]:
-    per_copy = sum(i * o * 4 for i, o, _ in shapes)
-    copies = max(1, min(MEASURE_WEIGHT_BYTES // max(1, per_copy), 128 // len(shapes)))
-    sides = {
-        side: ([synthetic_layer(s, lora, g, groups=groups) for _ in range(copies) for s in shapes],
-               torch.float32)
-        for side, g in (("kernel", gemm), ("torch", None))
-    }  # fmt: skip
-    out = []
-    for per in MEASURE_ROWS_PER_GROUP:
-        rows = groups * per
-        med = time_layers(sides, rows, repeats=5)
-        out.append((f"at {rows} rows", med["kernel"], med["torch"]))
-    return out
-
-
-def choose_gemm(
-    shapes: Sequence[tuple[int, int, int]], *, groups: int, lora: int
-) -> GemmLibrary | None:
-    """The packed GEMM to run a stack's linears with, or None for torch's matmuls.
-
-    ``shapes``: ``(in, out, rank)`` of the float32 CPU linears to wrap (rank 0: no adapter);
-    ``groups``: G stacked groups, ``lora``: L of them with adapters. The build must load, have
-    a register tile for its ISA, and be forced on (``SCPDR_GEMM_KERNEL=1``,
-    :func:`scpdr.kernels.force`) or be faster than the torch layers in every measured case:
-    copies of the distinct shapes (each at most half of :data:`MEASURE_WEIGHT_BYTES`, which
-    leaves out a large output head) at the decode steps of batch 1 and 8 (G and 8·G rows),
-    both sides timed in the same moment. The decision is logged once and remembered.
-    """
-    side = kernels.policy(kernels.gemm.NAME)
-    if side == "torch" or not shapes:
-        return None
-    gemm = kernels.gemm.library()
-    if gemm is None:
-        return None
-    if not gemm.tiled:
-        reason = f"no register tile for the {gemm.lib.isa} instruction set"
-        kernels.build.remembered(gemm.lib, "untiled", kernels.Choice(False, reason), title=_TITLE)
-        return None
-    if side == "kernel":
-        return gemm
-    small = sorted({s for s in shapes if s[0] * s[1] * 8 <= MEASURE_WEIGHT_BYTES})
-    distinct = small or [min(shapes, key=lambda s: s[0] * s[1])]
-    key = f"G{groups}-L{lora}-" + hashlib.sha256(repr(distinct).encode()).hexdigest()[:12]
-    choice = kernels.choose(
-        gemm.lib, key, lambda: _measure(gemm, distinct, groups, lora), title=_TITLE
-    )
-    return gemm if choice.use_kernel else None

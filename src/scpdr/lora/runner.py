@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 from scpdr.kernels.gemm import GemmLibrary, pack_panels
 from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError
+from scpdr.lora.gemm_choice import choose_gemm
 from scpdr.lora.layers import (
     GroupMode,
     PackedEmbedding,
     StackedLoraLinear,
-    choose_gemm,
     matching_source,
     packable,
     source_weight,
@@ -141,7 +141,7 @@ class StackedLoRA:
             re-laid out (wide linears on CPU) are copied from there, so that the model's own
             memory-mapped copy is never paged in (peak memory as one model).
         use_kernel: run float32 CPU linears with the packed C kernel where it builds and is
-            measured faster here (:func:`scpdr.lora.layers.choose_gemm`); False (or
+            measured faster here (:func:`scpdr.lora.gemm_choice.choose_gemm`); False (or
             ``SCPDR_GEMM_KERNEL=0``) keeps torch's matmuls (same results up to rounding).
         release_adapters: empty the adapters' ``LoraAdapter.modules`` once their matrices are
             copied into the stack, before the base weights are re-laid out (peak memory then

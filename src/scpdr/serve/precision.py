@@ -93,7 +93,7 @@ def _layers(copies: int, dtype: torch.dtype) -> tuple[list[nn.Module], torch.dty
     """``copies`` x :data:`DECODE_SHAPES` stacked layers, built as :class:`StackedLoRA` builds
     them for a base in ``dtype``: on the packed kernel where the stack would use it (float32
     or bf16 panels), else torch's layers in ``dtype``; and the dtype of their inputs."""
-    from scpdr.lora.layers import choose_gemm, synthetic_layer
+    from scpdr.lora.gemm_choice import choose_gemm, synthetic_layer
 
     gemm = choose_gemm(list(DECODE_SHAPES), groups=GROUPS, lora=LORA)
     on_torch, panels = (torch.float32, dtype) if gemm is not None else (dtype, torch.float32)
@@ -111,7 +111,7 @@ def decode_micro_benchmark(*, repeats: int = 3, weight_bytes: int | None = None)
     float32 base weights, base + 2 rank-64 adapters stacked (3·B rows), with float32 and with
     bf16 base weights as :class:`StackedLoRA` would run them here; medians of ``repeats``
     interleaved rounds."""
-    from scpdr.lora.layers import time_layers
+    from scpdr.lora.gemm_choice import time_layers
 
     per_copy = sum(i * o * 4 for i, o, _ in DECODE_SHAPES)
     copies = max(1, (weight_bytes or measure_bytes()) // per_copy)

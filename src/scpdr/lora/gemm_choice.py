@@ -1,0 +1,189 @@
+"""Kernel or torch for the shared-base LoRA fast path's linears (:mod:`scpdr.lora.layers`), and
+the packed kernel's next-panel prefetch: both measured on the model's shapes on this machine at
+first use (a fraction of a second each), logged once and remembered beside the kernel's build in
+``$SCPDR_HOME/kernels`` (``SCPDR_GEMM_KERNEL=0``/``1`` forces a side without measuring).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from scpdr import kernels
+from scpdr.kernels.gemm import GemmLibrary
+from scpdr.lora.layers import GroupMode, StackedLoraLinear
+
+__all__ = [
+    "MEASURE_ROWS_PER_GROUP",
+    "MEASURE_WEIGHT_BYTES",
+    "choose_gemm",
+    "choose_prefetch",
+    "synthetic_layer",
+    "time_layers",
+]
+
+#: Bytes of float32 weights the first-use measurement of :func:`choose_gemm` runs through per
+#: call (copies of the model's distinct linear shapes): near this machine class's L3 (32 MiB),
+#: so that most of them stream from memory as in decoding.
+MEASURE_WEIGHT_BYTES = 32 << 20
+#: Rows per group the measurement times: decode steps of batch 1 and 8.
+MEASURE_ROWS_PER_GROUP = (1, 8)
+_TITLE = "packed GEMM"
+
+
+def synthetic_layer(
+    shape: tuple[int, int, int],
+    lora: int,
+    gemm: GemmLibrary | None,
+    *,
+    groups: int,
+    dtype: torch.dtype = torch.float32,
+    weight_dtype: torch.dtype = torch.float32,
+) -> StackedLoraLinear:
+    """A :class:`StackedLoraLinear` of ``(in, out, rank)`` with ``lora`` adapters and constant
+    weights (their values do not change the speed), seeing ``groups`` stacked groups: packed
+    for ``gemm`` (base panels in ``weight_dtype``) or on torch's layout in ``dtype``. What the
+    kernel/torch and decoding-precision measurements time."""
+    n_in, n_out, rank = shape
+    layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, dtype=dtype)
+    layer.weight.requires_grad_(False).fill_(0.01)
+    a = b = None
+    if rank:
+        a = torch.full((lora, n_in, rank), 0.01, dtype=dtype)
+        b = torch.full((lora, rank, n_out), 0.01, dtype=dtype)
+    mode = GroupMode()
+    mode.stacked = groups
+    return StackedLoraLinear(layer, a, b, mode, gemm=gemm, weight_dtype=weight_dtype)
+
+
+def time_layers(
+    sides: dict[str, tuple[list[StackedLoraLinear], torch.dtype]], rows: int, *, repeats: int
+) -> dict[str, float]:
+    """Median seconds of one pass of each side's layers over ``rows`` input rows of the side's
+    dtype, the sides timed round-robin (:func:`scpdr.kernels.interleaved_medians`)."""
+    xs = {
+        side: {lin.in_features: torch.full((rows, lin.in_features), 0.5, dtype=dtype)
+               for lin in layers}
+        for side, (layers, dtype) in sides.items()
+    }  # fmt: skip
+
+    def run(side: str) -> None:
+        for lin in sides[side][0]:
+            lin(xs[side][lin.in_features])
+
+    with torch.inference_mode():
+        return kernels.interleaved_medians(
+            {side: (lambda s=side: run(s)) for side in sides}, repeats=repeats
+        )
+
+
+def _copies(
+    gemm: GemmLibrary | None, shapes: list[tuple[int, int, int]], groups: int, lora: int
+) -> list[StackedLoraLinear]:
+    """Synthetic layers of ``shapes``, copied up to :data:`MEASURE_WEIGHT_BYTES` of weights."""
+    per_copy = sum(i * o * 4 for i, o, _ in shapes)
+    copies = max(1, min(MEASURE_WEIGHT_BYTES // max(1, per_copy), 128 // len(shapes)))
+    return [synthetic_layer(s, lora, gemm, groups=groups) for _ in range(copies) for s in shapes]
+
+
+def _measure(
+    gemm: GemmLibrary, shapes: list[tuple[int, int, int]], groups: int, lora: int
+) -> list[tuple[str, float, float]]:
+    sides = {side: (_copies(g, shapes, groups, lora), torch.float32)
+             for side, g in (("kernel", gemm), ("torch", None))}  # fmt: skip
+    out = []
+    for per in MEASURE_ROWS_PER_GROUP:
+        rows = groups * per
+        med = time_layers(sides, rows, repeats=5)
+        out.append((f"at {rows} rows", med["kernel"], med["torch"]))
+    return out
+
+
+def _measure_prefetch(
+    gemm: GemmLibrary, shapes: list[tuple[int, int, int]], groups: int, lora: int, rows: int
+) -> list[tuple[str, float, float]]:
+    layers = _copies(gemm, shapes, groups, lora)
+    xs = {lin.in_features: torch.full((rows, lin.in_features), 0.5) for lin in layers}
+
+    def run(on: bool) -> None:
+        gemm.set_prefetch(on)
+        for lin in layers:
+            lin(xs[lin.in_features])
+
+    try:
+        with torch.inference_mode():
+            med = kernels.interleaved_medians(
+                {"on": lambda: run(True), "off": lambda: run(False)}, repeats=7
+            )
+    finally:
+        gemm.set_prefetch(True)
+    return [(f"at {rows} rows", med["on"], med["off"])]
+
+
+def choose_prefetch(
+    gemm: GemmLibrary, shapes: list[tuple[int, int, int]], *, groups: int, lora: int
+) -> bool:
+    """Whether ``gemm`` prefetches the next panel (``packed_gemm.c``): measured with and
+    without at the decode step of batch 8 (8·G rows; the prefetch only runs where a panel takes
+    two tiles or more, so with fewer rows there is nothing to decide and it stays on), kept
+    only if faster, and set on the build. Measured on an Intel Xeon (Cascade Lake): the AVX2
+    build's linears at 24 rows 14.3-14.8 -> 10.9-11.7 ms with it."""
+    rows = groups * MEASURE_ROWS_PER_GROUP[-1]
+    if rows <= gemm.tile_rows:
+        gemm.set_prefetch(True)
+        return True
+    key = f"prefetch-G{groups}-L{lora}-" + hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
+
+    def describe(choice: kernels.Choice) -> str:
+        parts = [f"{t / k:.2g}× {what}" for what, k, t in choice.timings if k > 0]
+        state = "on" if choice.use_kernel else "off"
+        return f"{_TITLE} ({gemm.lib.label}): next-panel prefetch {', '.join(parts)}: {state}"
+
+    choice = kernels.build.measured_choice(
+        kernels.build.choices_file(gemm.lib),
+        key,
+        lambda: _measure_prefetch(gemm, shapes, groups, lora, rows),
+        describe=describe,
+        reason="measured with and without",
+    )
+    gemm.set_prefetch(choice.use_kernel)
+    return choice.use_kernel
+
+
+def choose_gemm(
+    shapes: Sequence[tuple[int, int, int]], *, groups: int, lora: int
+) -> GemmLibrary | None:
+    """The packed GEMM to run a stack's linears with, or None for torch's matmuls.
+
+    ``shapes``: ``(in, out, rank)`` of the float32 CPU linears to wrap (rank 0: no adapter);
+    ``groups``: G stacked groups, ``lora``: L of them with adapters. The build must load, have
+    a register tile for its ISA, and be forced on (``SCPDR_GEMM_KERNEL=1``,
+    :func:`scpdr.kernels.force`) or be faster than the torch layers in every measured case:
+    copies of the distinct shapes (each at most half of :data:`MEASURE_WEIGHT_BYTES`, which
+    leaves out a large output head) at the decode steps of batch 1 and 8 (G and 8·G rows),
+    both sides timed in the same moment, after the kernel's prefetch is chosen
+    (:func:`choose_prefetch`). The decisions are logged once and remembered.
+    """
+    side = kernels.policy(kernels.gemm.NAME)
+    if side == "torch" or not shapes:
+        return None
+    gemm = kernels.gemm.library()
+    if gemm is None:
+        return None
+    if not gemm.tiled:
+        reason = f"no register tile for the {gemm.lib.isa} instruction set"
+        kernels.build.remembered(gemm.lib, "untiled", kernels.Choice(False, reason), title=_TITLE)
+        return None
+    if side == "kernel":
+        return gemm
+    small = sorted({s for s in shapes if s[0] * s[1] * 8 <= MEASURE_WEIGHT_BYTES})
+    distinct = small or [min(shapes, key=lambda s: s[0] * s[1])]
+    choose_prefetch(gemm, distinct, groups=groups, lora=lora)  # first: the kernel as it runs
+    key = f"G{groups}-L{lora}-" + hashlib.sha256(repr(distinct).encode()).hexdigest()[:12]
+    choice = kernels.choose(
+        gemm.lib, key, lambda: _measure(gemm, distinct, groups, lora), title=_TITLE
+    )
+    return gemm if choice.use_kernel else None
