@@ -181,6 +181,7 @@ def lora_linear(
     (s·B_{first+j})ᵀ`` with ``lora_a`` ``(L, ceil(r / w), k, w)`` (A) and ``lora_b`` ``(L,
     ceil(n / w), r, w)`` (s·B) packed. ``weight`` may be float32 or bf16 panels (the LoRA
     matrices are float32). Split over ``threads`` (default torch's) threads."""
+    # called ~200 times a decoding step: no tensor views or other avoidable work per call
     rows, k = x.shape
     per = rows // groups
     y = torch.empty(rows, n, dtype=torch.float32)
@@ -189,11 +190,14 @@ def lora_linear(
     if lora:
         assert lora_a is not None and lora_b is not None
         tmp = torch.empty(lora, per, lora_a.shape[1] * lora_a.shape[-1], dtype=torch.float32)
-        a_ptr, b_ptr, tmp_ptr = lora_a[first].data_ptr(), lora_b[first].data_ptr(), tmp.data_ptr()
+        # group `first`'s matrices: pointer arithmetic, not lora_a[first] (a view per call)
+        a_ptr = lora_a.data_ptr() + first * lora_a.stride(0) * 4
+        b_ptr = lora_b.data_ptr() + first * lora_b.stride(0) * 4
+        tmp_ptr = tmp.data_ptr()
     cdll = gemm.lib.cdll
     fn = (
         cdll.scpdr_lora_linear_bf16w
-        if weight.dtype == torch.bfloat16
+        if weight.dtype is torch.bfloat16
         else cdll.scpdr_lora_linear_f32
     )
     fn(

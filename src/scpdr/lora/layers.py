@@ -306,8 +306,9 @@ class StackedLoraLinear(nn.Module):
         g, first, lora = self._groups()
         if rows % g:
             raise ValueError(f"{rows} input rows do not split into {g} stacked groups")
+        buffers = self._buffers  # (nn.Module.__getattr__ costs ~1 µs a buffer, per call)
         kw = {"groups": g, "first": first, "lora": lora, "rank": self.rank,
-              "lora_a": self.lora_a_packed, "lora_b": self.lora_b_packed}  # fmt: skip
+              "lora_a": buffers["lora_a_packed"], "lora_b": buffers["lora_b_packed"]}  # fmt: skip
         return x.reshape(rows, self._in), kw
 
     def reference_forward(self, x: Tensor) -> Tensor:
@@ -329,25 +330,28 @@ class StackedLoraLinear(nn.Module):
     def _packed_forward(self, x: Tensor) -> Tensor:
         """:meth:`forward` on the packed layout: one call of the C kernel for the base matmul of
         all rows and the deltas of the groups with adapters, or :meth:`reference_forward`."""
-        w = self.weight_packed
+        # per call, ~200 times a decoding step: attribute reads kept cheap (``is_cpu``, not
+        # ``device.type``; the buffers dict, not nn.Module.__getattr__)
+        w = self._buffers["weight_packed"]
         lib = kernels.gemm.library(self.kernel_target)  # cached: a dict lookup
         if (
             lib is None
-            or (torch.is_grad_enabled() and x.requires_grad)
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or w.device.type != "cpu"
+            or x.dtype is not torch.float32
+            or not x.is_cpu
+            or not w.is_cpu
             or w.dtype not in PANEL_DTYPES
+            or (x.requires_grad and torch.is_grad_enabled())
         ):
             return self.reference_forward(x)
         x2, kw = self._packed_args(x)
         y = lora_linear(lib, x2.contiguous(), w, self._out, **kw)
-        if self.bias is not None:
-            y += self.bias
+        bias = self._buffers["bias"]
+        if bias is not None:
+            y += bias
         return y.view(*x.shape[:-1], self._out)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.weight_packed is not None:
+        if self._buffers["weight_packed"] is not None:
             return self._packed_forward(x)
         y = self._base_forward(x)  # (N, ..., out), a fresh tensor
         mode, n = self._mode, self.num_lora
