@@ -86,10 +86,15 @@ typedef float vf __attribute__((vector_size(VBYTES), aligned(4)));
 
 /* Whether the tiles after a panel's first prefetch the next panel (gemm_panels): on, unless
    scpdr_gemm_set_prefetch(0) (the Python side measures both and keeps the faster). */
-static int prefetch_next = 1;
-void scpdr_gemm_set_prefetch(int on) { prefetch_next = on != 0; }
-int scpdr_gemm_prefetch(void) { return prefetch_next; }
-#define PREFETCH(a) __builtin_prefetch((a), 0, 2) /* read, into L2 */
+static int prefetch_next = 1; /* read by every thread of a call: atomic loads and stores */
+void scpdr_gemm_set_prefetch(int on) {
+    __atomic_store_n(&prefetch_next, on != 0, __ATOMIC_RELAXED);
+}
+int scpdr_gemm_prefetch(void) { return __atomic_load_n(&prefetch_next, __ATOMIC_RELAXED); }
+/* read, into L2. With two tiles a panel a step is NR floats (96 or 128 bytes): every other
+   64-byte line is asked for, the rest left to the L2's adjacent-line and stream prefetchers
+   (two prefetches a step could not be told apart from one on the noisy host that measured it) */
+#define PREFETCH(a) __builtin_prefetch((a), 0, 2)
 
 /* What this build is: the ISA its tile is for, and the tile (the Python side packs panels of
    scpdr_panel_width() columns). */
@@ -241,6 +246,7 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t
     /* bytes of a panel: k x NR floats, or ceil(k / 2) x NR pairs of bf16 */
     const int64_t panel_bytes = bf16 ? (k + 1) / 2 * NR * 4 : k * NR * 4;
     const int64_t tr = bf16 ? MR_BF16 : MR; /* rows per tile */
+    const int prefetch = scpdr_gemm_prefetch();
     int64_t chunk = X_CHUNK_BYTES / (k * (int64_t)sizeof(float)) / tr * tr;
     if (chunk < tr) chunk = tr;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
@@ -260,7 +266,7 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t
                    an Intel Xeon: 14.3-14.8 -> 10.9-11.7 ms for a layer's linears x 4) */
                 const char *pf = NULL;
                 int64_t pf_step = 0;
-                if (prefetch_next && t >= 1 && p + 1 < p1 && iters > 0) {
+                if (prefetch && t >= 1 && p + 1 < p1 && iters > 0) {
                     const int64_t part = (panel_bytes + tiles - 2) / (tiles - 1);
                     pf = (const char *)panel + panel_bytes + (t - 1) * part;
                     pf_step = (part + iters - 1) / iters;

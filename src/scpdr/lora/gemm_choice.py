@@ -128,13 +128,13 @@ def choose_prefetch(
 ) -> bool:
     """Whether ``gemm`` prefetches the next panel (``packed_gemm.c``): measured with and
     without at the decode step of batch 8 (8·G rows; the prefetch only runs where a panel takes
-    two tiles or more, so with fewer rows there is nothing to decide and it stays on), kept
-    only if faster, and set on the build. Measured on an Intel Xeon (Cascade Lake): the AVX2
-    build's linears at 24 rows 14.3-14.8 -> 10.9-11.7 ms with it."""
+    two tiles or more, so with fewer rows there is nothing to decide and the build's setting
+    stays), kept only if faster, and set on the build (one setting per build: the last stack
+    measured decides). Measured on an Intel Xeon (Cascade Lake): the AVX2 build's linears at
+    24 rows 14.3-14.8 -> 10.9-11.7 ms with it."""
     rows = groups * MEASURE_ROWS_PER_GROUP[-1]
-    if rows <= gemm.tile_rows:
-        gemm.set_prefetch(True)
-        return True
+    if rows <= gemm.tile_rows:  # nothing to decide: the build's setting stays
+        return gemm.prefetch
     key = f"prefetch-G{groups}-L{lora}-" + hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
 
     def describe(choice: kernels.Choice) -> str:

@@ -97,7 +97,9 @@ def _written(addr: int, end: int) -> bool:
             if len(raw) != (hi - lo) * 8:
                 raise OSError("short read of /proc/self/pagemap")
             for (entry,) in struct.iter_unpack("<Q", raw):
-                if entry & _SWAPPED or (entry & _PRESENT and not entry & _FILE):
+                # anonymous: present or swapped out, and not a file page (a file page being
+                # migrated shows as swapped *and* file: not written)
+                if entry & (_PRESENT | _SWAPPED) and not entry & _FILE:
                     return True
     finally:
         os.close(fd)
@@ -125,9 +127,13 @@ def holds(t: Tensor, path: str | os.PathLike[str], key: str) -> bool | None:
         found = _mapping_of(addr, addr + nbytes)
         if found is None:
             return None
-        lo, offset, dev, inode, _name = found
-        st = os.stat(os.path.realpath(os.fspath(path)))
-        if (dev, inode) != (st.st_dev, st.st_ino) or offset + (addr - lo) != first:
+        lo, offset, dev, inode, name = found
+        real = os.path.realpath(os.fspath(path))
+        st = os.stat(real)
+        # the same file: device and inode, or (btrfs subvolumes, overlayfs before Linux 6.8,
+        # where maps names another device) the same inode under the same path
+        same = (dev, inode) == (st.st_dev, st.st_ino) or (inode == st.st_ino and name == real)
+        if not same or offset + (addr - lo) != first:
             return None
         return not _written(addr, addr + nbytes)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
