@@ -100,12 +100,12 @@ static double max_logsum_store(const float *x, int64_t v, float *e, float *mx_ou
    LOG_FLOOR) and (z_out, may be NULL) the sum of its floored probabilities, sum max(p,
    e^LOG_FLOOR) = sum e^y, from sum p = e^(log s - logs) (the float rounding of logs) and the
    floored tokens' shortfall e^LOG_FLOOR - p, which only blocks reaching the floor compute,
-   from the stored exponentials when there are any (p = e[t]·e^-logs: no second exponential
-   per token). e: NULL, or room for the row's exp(x - max) (see max_logsum_store). */
+   from the stored exponentials (p = e[t]·e^-logs: no second exponential per token). e: room
+   for the row's exp(x - max) (see max_logsum_store). */
 static void row_stats(const float *x, int64_t v, float *e, float *mx_out, float *logs_out,
                       float *mean_out, double *z_out) {
     float mx, logs;
-    const double log_s = e ? max_logsum_store(x, v, e, &mx, &logs) : max_logsum(x, v, &mx, &logs);
+    const double log_s = max_logsum_store(x, v, e, &mx, &logs);
     const float floor_p = vexpf(LOG_FLOOR);
     const float c = (float)exp(-(double)logs); /* e^-logs: p = e[t]·c */
     double acc = 0.0, short_p = 0.0;
@@ -122,19 +122,11 @@ static void row_stats(const float *x, int64_t v, float *e, float *mx_out, float 
         acc += (double)ba;
         if (z_out && bmin < LOG_FLOOR) { /* e^F - p of the floored tokens of this block */
             float bz = 0.0f;
-            if (e) {
-                const float *eb = e + t0;
+            const float *eb = e + t0;
 #pragma omp simd reduction(+ : bz)
-                for (int64_t t = 0; t < len; t++) {
-                    const float y = (xb[t] - mx) - logs;
-                    bz += y < LOG_FLOOR ? floor_p - eb[t] * c : 0.0f;
-                }
-            } else {
-#pragma omp simd reduction(+ : bz)
-                for (int64_t t = 0; t < len; t++) {
-                    const float y = (xb[t] - mx) - logs;
-                    bz += y < LOG_FLOOR ? floor_p - vexpf(y) : 0.0f;
-                }
+            for (int64_t t = 0; t < len; t++) {
+                const float y = (xb[t] - mx) - logs;
+                bz += y < LOG_FLOOR ? floor_p - eb[t] * c : 0.0f;
             }
             short_p += (double)bz;
         }

@@ -7,7 +7,7 @@ first use (a fraction of a second each), logged once and remembered beside the k
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -60,10 +60,15 @@ def synthetic_layer(
 
 
 def time_layers(
-    sides: dict[str, tuple[list[StackedLoraLinear], torch.dtype]], rows: int, *, repeats: int
+    sides: dict[str, tuple[list[StackedLoraLinear], torch.dtype]],
+    rows: int,
+    *,
+    repeats: int,
+    before: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Median seconds of one pass of each side's layers over ``rows`` input rows of the side's
-    dtype, the sides timed round-robin (:func:`scpdr.kernels.interleaved_medians`)."""
+    dtype, the sides timed round-robin (:func:`scpdr.kernels.interleaved_medians`);
+    ``before(side)``, if given, runs (timed) before each pass of that side."""
     xs = {
         side: {lin.in_features: torch.full((rows, lin.in_features), 0.5, dtype=dtype)
                for lin in layers}
@@ -71,6 +76,8 @@ def time_layers(
     }  # fmt: skip
 
     def run(side: str) -> None:
+        if before is not None:
+            before(side)
         for lin in sides[side][0]:
             lin(xs[side][lin.in_features])
 
@@ -105,19 +112,14 @@ def _measure(
 def _measure_prefetch(
     gemm: GemmLibrary, shapes: list[tuple[int, int, int]], groups: int, lora: int, rows: int
 ) -> list[tuple[str, float, float]]:
-    layers = _copies(gemm, shapes, groups, lora)
-    xs = {lin.in_features: torch.full((rows, lin.in_features), 0.5) for lin in layers}
-
-    def run(on: bool) -> None:
-        gemm.set_prefetch(on)
-        for lin in layers:
-            lin(xs[lin.in_features])
-
-    try:
-        with torch.inference_mode():
-            med = kernels.interleaved_medians(
-                {"on": lambda: run(True), "off": lambda: run(False)}, repeats=7
-            )
+    layers = (_copies(gemm, shapes, groups, lora), torch.float32)
+    try:  # the same layers both sides, the build's flag set before each pass
+        med = time_layers(
+            {"on": layers, "off": layers},
+            rows,
+            repeats=7,
+            before=lambda side: gemm.set_prefetch(side == "on"),
+        )
     finally:
         gemm.set_prefetch(True)
     return [(f"at {rows} rows", med["on"], med["off"])]

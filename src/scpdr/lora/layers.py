@@ -5,10 +5,11 @@ Every ``nn.Linear`` of the shared base becomes a :class:`StackedLoraLinear`: the
 all stacked rows plus the LoRA deltas of the groups with adapters, either
 
 - on CPU in float32 in one call of the packed C kernel (:mod:`scpdr.kernels.gemm`) on weights
-  re-laid out once in panels of its ISA's tile width — where :func:`scpdr.lora.gemm_choice.choose_gemm` measured it
-  faster than torch on this machine for the model's shapes at the decode row counts (once, in
-  a fraction of a second, remembered in ``$SCPDR_HOME/kernels``; ``SCPDR_GEMM_KERNEL=0``/``1``
-  forces a side) — with a tied input embedding looked up in the packed head
+  re-laid out once in panels of its ISA's tile width — where
+  :func:`scpdr.lora.gemm_choice.choose_gemm` measured it faster than torch on this machine for
+  the model's shapes at the decode row counts (once, in a fraction of a second, remembered in
+  ``$SCPDR_HOME/kernels``; ``SCPDR_GEMM_KERNEL=0``/``1`` forces a side) — with a tied input
+  embedding looked up in the packed head
   (:class:`PackedEmbedding`); or
 - with torch's matmuls (:meth:`StackedLoraLinear._base_forward`, ``docs/lora_fast_path.md``).
 
