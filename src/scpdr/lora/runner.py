@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from scpdr.kernels.gemm import GemmLibrary, pack_panels
 from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError
+from scpdr.lora.decode_step import LlamaDecodeStep, llama_decode_step
 from scpdr.lora.gemm_choice import choose_gemm
 from scpdr.lora.layers import (
     GroupMode,
@@ -184,6 +185,10 @@ class StackedLoRA:
         self.weight_dtype = weight_dtype
         self._wrap(groups, weight_source, use_kernel)
         self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
+        #: The lean one-token step (:mod:`scpdr.lora.decode_step`; bitwise the model's forward)
+        #: used for decoding steps, or None: the model's own forward for every call. Plain
+        #: Llama models get one; setting it to None turns it off.
+        self.decode_step: LlamaDecodeStep | None = llama_decode_step(model)
 
     def _wrap(
         self,
@@ -370,14 +375,20 @@ class StackedLoRA:
             if cache is not None
             else {"use_cache": False}
         )
+        ids, mask, pos = (t.repeat(g, 1) for t in (input_ids, attention_mask, position_ids))
+        lean = self.decode_step  # (G·B, T), row g·B + b
+        one_token = ids.shape[1] == 1 and isinstance(keep, int) and keep in (0, 1)
         with self._stacked():
-            out = self.model(
-                input_ids=input_ids.repeat(g, 1),  # (G·B, T), row g·B + b
-                attention_mask=attention_mask.repeat(g, 1),
-                position_ids=position_ids.repeat(g, 1),
-                logits_to_keep=keep if isinstance(keep, int) else 0,
-                **kwargs,
-            )
-        logits = out.logits.float()  # (G·B, T', V)
+            if lean is not None and cache is not None and one_token:
+                logits = lean(ids, mask, pos, cache)  # a decoding step: (G·B, 1, V)
+            else:
+                logits = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    logits_to_keep=keep if isinstance(keep, int) else 0,
+                    **kwargs,
+                ).logits
+        logits = logits.float()  # (G·B, T', V)
         logits = logits.view(g, bsz, *logits.shape[1:])
         return logits if isinstance(keep, int) else index_positions(logits, keep)

@@ -1,0 +1,117 @@
+"""A lean decoding step for the shared-base stack of a Llama-family model: one new token per row.
+
+A decoding step of the stacked batch (base + adapters as G·B rows, :mod:`scpdr.lora.runner`) on
+the 135M model spends ~70% of its time in the packed GEMM; most of the rest is transformers'
+per-module Python: ~400 ``nn.Module`` calls a step (each layer's decoder, attention, MLP, norm
+and activation modules), keyword plumbing and output records. :class:`LlamaDecodeStep` runs the
+same computation as ``LlamaForCausalLM.forward`` for one new token per row, calling the same
+submodules' ``forward`` methods, transformers' own mask builder, rotary embedding, rotation and
+SDPA attention function, in the same order on the same tensors: its logits are *bitwise* those
+of the model's forward (tested), for 5–7% less time a step at batch 1 (measured in
+``benchmarks/bench_lora.py``'s rounds; docs/lora_fast_path.md).
+
+It is used only where the model is exactly transformers' Llama classes with SDPA attention
+(SmolLM2, Llama and their fine-tunes): any other architecture, attention implementation or a
+subclass falls back to the model's own forward (:func:`llama_decode_step` returns None).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LlamaDecodeStep", "llama_decode_step"]
+
+
+def llama_decode_step(model: nn.Module) -> LlamaDecodeStep | None:
+    """The lean step for ``model`` when it is exactly transformers' ``LlamaForCausalLM`` (its
+    model, decoder layers, attention, MLP, norms and rotary embedding of the Llama classes, no
+    subclass) with SDPA attention; else None, and the model's forward is used."""
+    from transformers.models.llama import modeling_llama as ml
+
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    config = getattr(model, "config", None)
+    ok = (
+        type(model) is ml.LlamaForCausalLM
+        and type(inner) is ml.LlamaModel
+        and type(inner.norm) is ml.LlamaRMSNorm
+        and type(inner.rotary_emb) is ml.LlamaRotaryEmbedding
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and layers is not None
+        and len(layers) == config.num_hidden_layers
+        and all(
+            type(x) is ml.LlamaDecoderLayer
+            and type(x.self_attn) is ml.LlamaAttention
+            and type(x.mlp) is ml.LlamaMLP
+            and type(x.input_layernorm) is ml.LlamaRMSNorm
+            and type(x.post_attention_layernorm) is ml.LlamaRMSNorm
+            for x in layers
+        )
+    )
+    if not ok:
+        logger.debug("lean decoding step: not a plain Llama model with SDPA; its forward is used")
+        return None
+    return LlamaDecodeStep(model)
+
+
+class LlamaDecodeStep:
+    """``LlamaForCausalLM.forward`` for one new token per row with a KV cache, without the
+    per-module plumbing (see the module docstring).
+
+    The submodules are read from the model at each call, so modules replaced after
+    construction (the stack's packed linears) are the ones used.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import create_causal_mask
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.model = model
+        self._attention = sdpa_attention_forward
+        self._mask = create_causal_mask
+        self._rotate = apply_rotary_pos_emb
+
+    def __call__(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: Any
+    ) -> Tensor:
+        """Logits ``(R, 1, V)`` (the head's dtype) of ``input_ids`` ``(R, 1)`` at
+        ``position_ids`` ``(R, 1)``, ``attention_mask`` ``(R, L)`` covering the cache and the new
+        token; appends the new keys and values to ``cache`` (a transformers ``Cache``), as
+        ``model(input_ids=..., attention_mask=..., position_ids=..., past_key_values=cache,
+        use_cache=True, logits_to_keep=1).logits`` does."""
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            raise ValueError(f"one new token per row: input_ids (R, 1), got {input_ids.shape}")
+        model = self.model
+        inner = model.model
+        h = inner.embed_tokens(input_ids)
+        mask = self._mask(
+            config=model.config,
+            inputs_embeds=h,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            position_ids=position_ids,
+        )
+        cos, sin = inner.rotary_emb(h, position_ids=position_ids)
+        rows = h.shape[:-1]
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            shape = (*rows, -1, attn.head_dim)
+            x = layer.input_layernorm.forward(h)
+            q = attn.q_proj.forward(x).view(shape).transpose(1, 2)
+            k = attn.k_proj.forward(x).view(shape).transpose(1, 2)
+            v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
+            q, k = self._rotate(q, k, cos, sin)
+            k, v = cache.update(k, v, i)
+            out, _ = self._attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+            h = h + attn.o_proj.forward(out.reshape(*rows, -1).contiguous())
+            x = layer.post_attention_layernorm.forward(h)
+            gate = mlp.act_fn(mlp.gate_proj.forward(x))
+            h = h + mlp.down_proj.forward(gate * mlp.up_proj.forward(x))
+        h = inner.norm.forward(h)
+        return model.lm_head.forward(h)

@@ -1,0 +1,116 @@
+"""The lean one-token decoding step of the shared-base stack (scpdr.lora.decode_step): bitwise
+the model's own forward, step after step, with padding, rows leaving the batch, and both the
+packed kernel's and torch's linears; anything but a plain Llama with SDPA keeps the forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scpdr import kernels, models, testing
+from scpdr.lora import StackedLoRA, read_lora_adapter, save_random_lora
+from scpdr.lora.decode_step import llama_decode_step
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["My secret code is", "Hello there, how are you doing today", "x"]
+PACKED = kernels.gemm.library() is not None and kernels.gemm.library().tiled
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode-step")
+    tok = testing.tiny_tokenizer()
+    base = testing.tiny_model(0)
+    base.save_pretrained(str(root / "base"))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    kw = {"base_ref": "../base", "alpha": 8, "target_modules": targets, "std": 0.3}
+    refs = [save_random_lora(base, root / f"a{i}", r=4 + 2 * i, seed=i, **kw) for i in range(2)]
+    return root / "base", refs, tok
+
+
+def _stack(parts, lean: bool) -> StackedLoRA:
+    base, refs, _ = parts
+    adapters = [read_lora_adapter(r) for r in refs]
+    stack = StackedLoRA(models.load_model(base), [*adapters, None], ["a0", "a1", "base"])
+    if not lean:
+        stack.decode_step = None
+    return stack
+
+
+@pytest.mark.parametrize(
+    "gemm",
+    ["torch", pytest.param("kernel", marks=pytest.mark.skipif(not PACKED, reason="no kernel"))],
+)
+def test_lean_steps_are_bitwise_the_models_forward(parts, gemm):
+    """Prefill three left-padded prompts, then 6 greedy steps; after the third, the middle row
+    leaves the batch (the stacked cache selects it out of every group). Each step's logits of
+    the lean step equal the model's forward exactly."""
+    tok = parts[2]
+    with kernels.force("packed_gemm", gemm):
+        lean, plain = _stack(parts, True), _stack(parts, False)
+    assert lean.decode_step is not None
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    mask = enc["attention_mask"]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    caches = [s.new_caches() for s in (lean, plain)]
+    pairs = list(zip((lean, plain), caches, strict=True))
+    with torch.inference_mode():
+        outs = [s(enc["input_ids"], mask, pos, c, keep=1) for s, c in pairs]
+        assert torch.equal(*outs)
+        pos = pos[:, -1:]
+        for step in range(6):
+            ids = outs[0][0, :, -1].argmax(-1, keepdim=True)  # group 0's greedy tokens (B, 1)
+            mask, pos = torch.cat([mask, torch.ones_like(ids)], 1), pos + 1
+            outs = [s(ids, mask, pos, c, keep=1) for s, c in pairs]
+            assert outs[0].shape == (3, mask.shape[0], 1, 49152)
+            assert torch.equal(*outs), f"step {step}"
+            if step == 2:  # the middle row finishes
+                keep = torch.tensor([0, 2])
+                for c in caches:
+                    c[0].batch_select_indices(keep)
+                mask, pos, outs = mask[keep], pos[keep], [o[:, keep] for o in outs]
+
+
+def test_a_one_token_prompt_prefills_through_the_lean_step(parts):
+    """A one-token prompt's prefill is a one-token forward with an empty cache: the lean step
+    fills it as the forward would."""
+    tok = parts[2]
+    lean, plain = _stack(parts, True), _stack(parts, False)
+    ids = torch.tensor([[tok.bos_token_id or 1]])
+    mask, pos = torch.ones_like(ids), torch.zeros_like(ids)
+    caches = [lean.new_caches(), plain.new_caches()]
+    with torch.inference_mode():
+        a, b = (s(ids, mask, pos, c, keep=1) for s, c in zip((lean, plain), caches, strict=True))
+        assert torch.equal(a, b)
+        nxt = a[0, :, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+        a, b = (
+            s(nxt, mask, pos + 1, c, keep=1) for s, c in zip((lean, plain), caches, strict=True)
+        )
+        assert torch.equal(a, b)
+
+
+def test_the_lean_step_refuses_more_than_one_new_token(parts):
+    step = _stack(parts, True).decode_step
+    ids = torch.ones(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="one new token per row"):
+        step(ids, torch.ones_like(ids), torch.zeros_like(ids), None)
+
+
+def test_other_models_keep_their_own_forward(parts):
+    """Eager attention, a subclass of the Llama classes and a non-Llama model get no lean step
+    (their forward is used for every call)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+
+    base = parts[0]
+    assert llama_decode_step(models.load_model(base)) is not None
+    eager = LlamaForCausalLM.from_pretrained(str(base), attn_implementation="eager")
+    assert llama_decode_step(eager) is None
+
+    class Custom(LlamaForCausalLM):
+        pass
+
+    assert llama_decode_step(Custom(testing.tiny_config())) is None
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64))
+    assert llama_decode_step(gpt2) is None
