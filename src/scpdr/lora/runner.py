@@ -17,7 +17,6 @@ from torch import Tensor, nn
 
 from scpdr.kernels.gemm import GemmLibrary, pack_panels
 from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError
-from scpdr.lora.decode_step import LlamaDecodeStep, llama_decode_step
 from scpdr.lora.gemm_choice import choose_gemm
 from scpdr.lora.layers import (
     GroupMode,
@@ -27,6 +26,7 @@ from scpdr.lora.layers import (
     packable,
     source_weight,
 )
+from scpdr.runtime.decode_step import LlamaDecodeStep, llama_decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class StackedLoRA:
         self.weight_dtype = weight_dtype
         self._wrap(groups, weight_source, use_kernel)
         self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
-        #: The lean one-token step (:mod:`scpdr.lora.decode_step`; bitwise the model's forward)
+        #: The lean one-token step (:mod:`scpdr.runtime.decode_step`; bitwise the model's forward)
         #: used for decoding steps, or None: the model's own forward for every call. Plain
         #: Llama models get one; setting it to None turns it off.
         self.decode_step: LlamaDecodeStep | None = llama_decode_step(model)

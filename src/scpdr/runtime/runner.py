@@ -18,6 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from scpdr.runtime.decode_step import LlamaDecodeStep, llama_decode_step
+
 __all__ = ["ModelRunner", "PerModelRunner", "index_positions", "positions", "run_split"]
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,12 @@ class PerModelRunner:
             raise ValueError("one name per model")
         self.vocab_size = int(vocab_size)
         self._full_logits_only: set[int] = set()  # ids of models without logits_to_keep tensors
+        #: Each model's lean one-token step (:mod:`scpdr.runtime.decode_step`; bitwise its
+        #: forward), or None where the model keeps its forward; set an entry to None to turn
+        #: it off.
+        self.decode_steps: list[LlamaDecodeStep | None] = [
+            llama_decode_step(m) for m in self.models
+        ]
 
     def new_caches(self) -> list[Any]:
         from scpdr.runtime.kv_cache import new_cache
@@ -117,7 +125,7 @@ class PerModelRunner:
         return torch.stack(
             [
                 self._logits(
-                    model,
+                    i,
                     input_ids,
                     attention_mask,
                     position_ids,
@@ -130,13 +138,17 @@ class PerModelRunner:
 
     def _logits(
         self,
-        model: nn.Module,
+        i: int,
         input_ids: Tensor,
         mask: Tensor,
         position_ids: Tensor,
         keep: int | Tensor,
         cache: Any | None,
     ) -> Tensor:
+        model, lean = self.models[i], self.decode_steps[i]
+        one_token = input_ids.shape[1] == 1 and isinstance(keep, int) and keep in (0, 1)
+        if lean is not None and cache is not None and one_token:
+            return lean(input_ids, mask, position_ids, cache).float()
         kwargs: dict[str, Any] = (
             {"past_key_values": cache, "use_cache": True}
             if cache is not None

@@ -1,18 +1,19 @@
-"""A lean decoding step for the shared-base stack of a Llama-family model: one new token per row.
+"""A lean decoding step for Llama models: one new token per row, with a KV cache.
 
-A decoding step of the stacked batch (base + adapters as G·B rows, :mod:`scpdr.lora.runner`) on
-the 135M model spends ~70% of its time in the packed GEMM; most of the rest is transformers'
-per-module Python: ~400 ``nn.Module`` calls a step (each layer's decoder, attention, MLP, norm
-and activation modules), keyword plumbing and output records. :class:`LlamaDecodeStep` runs the
-same computation as ``LlamaForCausalLM.forward`` for one new token per row, calling the same
-submodules' ``forward`` methods, transformers' own mask builder, rotary embedding, rotation and
-SDPA attention function, in the same order on the same tensors: its logits are *bitwise* those
-of the model's forward (tested), for 5–7% less time a step at batch 1 (measured in
-``benchmarks/bench_lora.py``'s rounds; docs/lora_fast_path.md).
+A decoding step of the 135M model at batch 1 spends most of what is not its matmuls in
+transformers' per-module Python: ~400 ``nn.Module`` calls a step (each layer's decoder,
+attention, MLP, norm and activation modules), keyword plumbing and output records (on the LoRA
+stack, ~25 ms of a ~105 ms step on an Intel Xeon; docs/lora_fast_path.md).
+:class:`LlamaDecodeStep` runs the computation of ``LlamaForCausalLM.forward`` for one new token
+per row, calling the same submodules' ``forward`` methods, transformers' own mask builder,
+rotary embedding, rotation and SDPA attention function, in the same order on the same tensors:
+its logits are *bitwise* those of the model's forward (tested). Both runners use it for their
+one-token steps (:class:`scpdr.runtime.runner.PerModelRunner` per model,
+:class:`scpdr.lora.StackedLoRA` for the stacked batch); prefill goes through the forward.
 
 It is used only where the model is exactly transformers' Llama classes with SDPA attention
 (SmolLM2, Llama and their fine-tunes): any other architecture, attention implementation or a
-subclass falls back to the model's own forward (:func:`llama_decode_step` returns None).
+subclass keeps its own forward (:func:`llama_decode_step` returns None).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The lean one-token decoding step of the shared-base stack (scpdr.lora.decode_step): bitwise
-the model's own forward, step after step, with padding, rows leaving the batch, and both the
-packed kernel's and torch's linears; anything but a plain Llama with SDPA keeps the forward."""
+"""The lean one-token decoding step (scpdr.runtime.decode_step) in both runners: bitwise the
+model's own forward, step after step, with padding, rows leaving the batch, and (shared-base
+stack) both the packed kernel's and torch's linears; anything but a plain Llama with SDPA keeps
+its forward."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from scpdr import kernels, models, testing
 from scpdr.lora import StackedLoRA, read_lora_adapter, save_random_lora
-from scpdr.lora.decode_step import llama_decode_step
+from scpdr.runtime.decode_step import llama_decode_step
+from scpdr.runtime.runner import PerModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -70,6 +72,35 @@ def test_lean_steps_are_bitwise_the_models_forward(parts, gemm):
                 for c in caches:
                     c[0].batch_select_indices(keep)
                 mask, pos, outs = mask[keep], pos[keep], [o[:, keep] for o in outs]
+
+
+def test_the_per_model_runner_steps_are_bitwise_each_models_forward(parts):
+    """PerModelRunner over two models (the base and another tiny model): 5 greedy steps of two
+    left-padded prompts, the lean steps against each model's forward."""
+    tok = parts[2]
+
+    def runner(lean: bool) -> PerModelRunner:
+        ms = [models.load_model(parts[0]), testing.tiny_model(7)]
+        r = PerModelRunner(ms, ["a", "b"], vocab_size=49152)
+        if not lean:
+            r.decode_steps = [None, None]
+        return r
+
+    lean, plain = runner(True), runner(False)
+    assert all(s is not None for s in lean.decode_steps)
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True, padding_side="left")
+    mask = enc["attention_mask"]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    pairs = [(r, r.new_caches()) for r in (lean, plain)]
+    with torch.inference_mode():
+        outs = [r(enc["input_ids"], mask, pos, c, keep=1) for r, c in pairs]
+        pos = pos[:, -1:]
+        for step in range(5):
+            ids = outs[1][1, :, -1].argmax(-1, keepdim=True)
+            mask, pos = torch.cat([mask, torch.ones_like(ids)], 1), pos + 1
+            outs = [r(ids, mask, pos, c, keep=1) for r, c in pairs]
+            assert outs[0].shape == (2, 2, 1, 49152)
+            assert torch.equal(*outs), f"step {step}"
 
 
 def test_a_one_token_prompt_prefills_through_the_lean_step(parts):
