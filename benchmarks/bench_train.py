@@ -160,7 +160,7 @@ def _steps(
     import torch
 
     from scpdr.training.loss import ChunkedCausalLMLoss
-    from scpdr.training.memory import AUTOCAST_CACHE, trim_heap
+    from scpdr.training.memory import AUTOCAST_CACHE, trim_heap, trim_in_backward
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
     loss_fn = ChunkedCausalLMLoss(
@@ -178,6 +178,8 @@ def _steps(
         elif model.is_activation_checkpointing:
             model.activation_checkpointing_disable()
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        # the heap trim callback's hooks, on this side's steps only (sides may share a model)
+        hooks = trim_in_backward(model) if ours and trim else []
         if ours:
             ctx = (
                 torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=AUTOCAST_CACHE)
@@ -195,6 +197,8 @@ def _steps(
         else:
             loss = model(**inputs, labels=batch["labels"]).loss
         loss.backward()
+        for h in hooks:
+            h.remove()
         if ours and trim:  # the heap trim callback's on_pre_optimizer_step
             trim_heap()
         opt.step()

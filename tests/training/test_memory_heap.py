@@ -207,3 +207,69 @@ def test_a_bf16_cpu_training_step_keeps_no_cache_of_weight_casts(tmp_path):
     seen.clear()  # (make_trainer checks the head on a forward outside training)
     trainer.train()
     assert seen and all(seen_ == (True, False) for seen_ in seen)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, checkpointing):
+    """trim_in_backward(model, every=2) on 5 decoder layers: one trim per backward after each of
+    layers 4, 2 and 0 has its gradients (not before, not twice under checkpointing's recompute),
+    none in a forward without gradients or once the hooks are removed, and the same gradients
+    as without the hooks."""
+    import torch
+
+    from scpdr import testing
+
+    model = testing.tiny_model(0, num_layers=5).train()
+    if checkpointing:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    layers = list(model.model.layers)
+    seen: list[list[bool]] = []
+
+    def fake_trim() -> bool:  # which layers have their gradients when the trim runs
+        seen.append([layer.mlp.down_proj.weight.grad is not None for layer in layers])
+        return False
+
+    monkeypatch.setattr(memory, "trim_step_heap", fake_trim)
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+
+    def grads() -> list:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    handles = memory.trim_in_backward(model, every=2)
+    hooked = grads()
+    assert [[i for i, g in enumerate(s) if g] for s in seen] == [[4], [2, 3, 4], [0, 1, 2, 3, 4]]
+    assert all(torch.equal(a, b) for a, b in zip(plain, hooked, strict=True))
+    seen.clear()
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    grads()
+    assert seen == []
+
+
+def test_the_callback_installs_the_backward_trims_for_training_only(monkeypatch):
+    """heap_trim_callback() hooks the model's layers at the start of training (once, also when
+    told twice) and removes its hooks at the end: a backward of 3 layers trims once (after layer
+    0's: every 10th layer) while training, never after."""
+    import torch
+
+    from scpdr import testing
+
+    trims = []
+    monkeypatch.setattr(memory, "trim_step_heap", lambda: trims.append(1) or False)
+    model = testing.tiny_model(0, num_layers=3).train()
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+    cb = heap_trim_callback()
+    counts = []
+    for event in ("on_train_begin", "on_train_begin", "on_train_end"):
+        getattr(cb, event)(None, None, None, model=model)
+        trims.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        counts.append(len(trims))
+    assert counts == [1, 1, 0]
