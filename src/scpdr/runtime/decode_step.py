@@ -6,8 +6,9 @@ attention, MLP, norm and activation modules), keyword plumbing and output record
 stack, ~25 ms of a ~105 ms step on an Intel Xeon; docs/lora_fast_path.md).
 :class:`LlamaDecodeStep` runs the computation of ``LlamaForCausalLM.forward`` for one new token
 per row, calling the same submodules' ``forward`` methods, transformers' own mask builder,
-rotary embedding, rotation and SDPA attention function, in the same order on the same tensors:
-its logits are *bitwise* those of the model's forward (tested). Both runners use it for their
+rotary embedding and SDPA attention function, in the same order on the same tensors, and the
+rotation in fewer ops with the same floats: its logits are *bitwise* those of the model's
+forward (tested). Both runners use it for their
 one-token steps (:class:`scpdr.runtime.runner.PerModelRunner` per model,
 :class:`scpdr.lora.StackedLoRA` for the stacked batch); prefill goes through the forward.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
@@ -71,12 +73,10 @@ class LlamaDecodeStep:
     def __init__(self, model: nn.Module) -> None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import create_causal_mask
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.model = model
         self._attention = sdpa_attention_forward
         self._mask = create_causal_mask
-        self._rotate = apply_rotary_pos_emb
 
     def __call__(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: Any
@@ -98,7 +98,13 @@ class LlamaDecodeStep:
             past_key_values=cache,
             position_ids=position_ids,
         )
-        cos, sin = inner.rotary_emb(h, position_ids=position_ids)
+        cos, sin = inner.rotary_emb(h, position_ids=position_ids)  # (R, 1, head_dim)
+        # transformers' rotation x·cos + rotate_half(x)·sin, rotate_half(x) = (-x2, x1), in
+        # fewer ops: (x2, x1) = x.roll(half) times the sign-folded (-sin1, sin2), made once a
+        # step. (-a)·b and a·(-b) are the same float, so the result is bitwise the same.
+        half = cos.shape[-1] // 2
+        cos_h = cos.unsqueeze(1)  # (R, 1, 1, head_dim): over the heads
+        sin_h = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
         rows = h.shape[:-1]
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -107,7 +113,8 @@ class LlamaDecodeStep:
             q = attn.q_proj.forward(x).view(shape).transpose(1, 2)
             k = attn.k_proj.forward(x).view(shape).transpose(1, 2)
             v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
-            q, k = self._rotate(q, k, cos, sin)
+            q = q * cos_h + q.roll(half, -1) * sin_h
+            k = k * cos_h + k.roll(half, -1) * sin_h
             k, v = cache.update(k, v, i)
             out, _ = self._attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
             h = h + attn.o_proj.forward(out.reshape(*rows, -1).contiguous())
