@@ -26,7 +26,7 @@ from scpdr.lora.layers import (
     packable,
     source_weight,
 )
-from scpdr.runtime.decode_step import LlamaDecodeStep, llama_decode_step
+from scpdr.runtime.decode_step import LlamaDecodeStep, is_decoding_step, llama_decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -370,18 +370,18 @@ class StackedLoRA:
 
         g, bsz = self.num_groups, input_ids.shape[0]
         cache = None if caches is None else caches[0]
-        kwargs: dict[str, Any] = (
-            {"past_key_values": cache, "use_cache": True}
-            if cache is not None
-            else {"use_cache": False}
-        )
+        # (G·B, T), row g·B + b
         ids, mask, pos = (t.repeat(g, 1) for t in (input_ids, attention_mask, position_ids))
-        lean = self.decode_step  # (G·B, T), row g·B + b
-        one_token = ids.shape[1] == 1 and isinstance(keep, int) and keep in (0, 1)
+        lean = self.decode_step
         with self._stacked():
-            if lean is not None and cache is not None and one_token:
-                logits = lean(ids, mask, pos, cache)  # a decoding step: (G·B, 1, V)
+            if lean is not None and is_decoding_step(ids, keep, cache):
+                logits = lean(ids, mask, pos, cache)  # (G·B, 1, V)
             else:
+                kwargs: dict[str, Any] = (
+                    {"past_key_values": cache, "use_cache": True}
+                    if cache is not None
+                    else {"use_cache": False}
+                )
                 logits = self.model(
                     input_ids=ids,
                     attention_mask=mask,

@@ -8,9 +8,9 @@ stack, ~25 ms of a ~105 ms step on an Intel Xeon; docs/lora_fast_path.md).
 per row, calling the same submodules' ``forward`` methods, transformers' own mask builder,
 rotary embedding and SDPA attention function, in the same order on the same tensors, and the
 rotation in fewer ops with the same floats: its logits are *bitwise* those of the model's
-forward (tested). Both runners use it for their
-one-token steps (:class:`scpdr.runtime.runner.PerModelRunner` per model,
-:class:`scpdr.lora.StackedLoRA` for the stacked batch); prefill goes through the forward.
+forward (tested). Both runners use it for their one-token steps (:func:`is_decoding_step`;
+:class:`scpdr.runtime.runner.PerModelRunner` per model, :class:`scpdr.lora.StackedLoRA` for the
+stacked batch); prefill goes through the forward.
 
 It is used only where the model is exactly transformers' Llama classes with SDPA attention
 (SmolLM2, Llama and their fine-tunes): any other architecture, attention implementation or a
@@ -27,7 +27,15 @@ from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LlamaDecodeStep", "llama_decode_step"]
+__all__ = ["LlamaDecodeStep", "is_decoding_step", "llama_decode_step"]
+
+
+def is_decoding_step(input_ids: Tensor, keep: int | Tensor, cache: Any) -> bool:
+    """Whether a runner call (the runner protocol's arguments) is one the lean step computes:
+    one new token per row, with a KV cache, keeping every (that is, the last) position."""
+    return (
+        cache is not None and input_ids.shape[1] == 1 and isinstance(keep, int) and keep in (0, 1)
+    )
 
 
 def llama_decode_step(model: nn.Module) -> LlamaDecodeStep | None:

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from scpdr.runtime.decode_step import LlamaDecodeStep, llama_decode_step
+from scpdr.runtime.decode_step import LlamaDecodeStep, is_decoding_step, llama_decode_step
 
 __all__ = ["ModelRunner", "PerModelRunner", "index_positions", "positions", "run_split"]
 
@@ -146,8 +146,7 @@ class PerModelRunner:
         cache: Any | None,
     ) -> Tensor:
         model, lean = self.models[i], self.decode_steps[i]
-        one_token = input_ids.shape[1] == 1 and isinstance(keep, int) and keep in (0, 1)
-        if lean is not None and cache is not None and one_token:
+        if lean is not None and is_decoding_step(input_ids, keep, cache):
             return lean(input_ids, mask, position_ids, cache).float()
         kwargs: dict[str, Any] = (
             {"past_key_values": cache, "use_cache": True}
