@@ -644,6 +644,32 @@ def test_packed_layer_takes_other_dtypes_through_the_reference():
 
 
 @needs_kernel
+def test_packed_layer_follows_the_group_mode_and_its_buffers():
+    """A packed layer keeps its kernel call's fixed arguments per input shape and group mode:
+    the same input shape in stacked and single mode (each group) gets each mode's deltas, and a
+    buffer replaced in place of another (new addresses) is the one read."""
+    gen = torch.Generator().manual_seed(5)
+    layer, a, b, mode = _packed_layer(gen, 40, 70, 3, 2, True)
+    lin = StackedLoraLinear(layer, a, b, mode, gemm=GEMM)
+    x = torch.randn(4, 40, generator=gen)
+    tol = {"atol": 1e-4, "rtol": 1e-4}
+    with torch.inference_mode():
+        base = layer(x)
+        for _ in range(2):  # the second round reuses each mode's call
+            mode.stacked, mode.single = 2, None
+            want = base.clone()
+            want[:2] += (x[:2] @ a[0]) @ b[0]
+            want[2:] += (x[2:] @ a[1]) @ b[1]
+            torch.testing.assert_close(lin(x), want, **tol)
+            for g in (0, 1):
+                mode.stacked, mode.single = None, g
+                torch.testing.assert_close(lin(x), base + (x @ a[g]) @ b[g], **tol)
+        lin.lora_a_packed = lin.lora_a_packed.flip(0).contiguous()  # the groups' A swapped
+        lin.lora_b_packed = lin.lora_b_packed.flip(0).contiguous()
+        torch.testing.assert_close(lin(x), base + (x @ a[0]) @ b[0], **tol)  # single = 1
+
+
+@needs_kernel
 def test_packed_layer_edge_cases():
     """Rank 0 (an empty delta) gives the base output; a row count that does not split into the
     stacked groups is refused; a packed layer can be deep-copied (no ctypes handle on it);

@@ -31,7 +31,9 @@ __all__ = [
     "NAME",
     "PANEL_DTYPES",
     "GemmLibrary",
+    "LinearCall",
     "library",
+    "linear_call",
     "lora_linear",
     "lora_linear_reference",
     "pack_panels",
@@ -161,6 +163,101 @@ def unpack_panels(packed: Tensor, n: int, k: int | None = None) -> Tensor:
     return packed.transpose(1, 2).reshape(p * width, k2)[:n]
 
 
+@dataclass(frozen=True)
+class LinearCall:
+    """The arguments of one stacked linear's kernel call that stay the same from one decoding
+    step to the next (shapes, groups, the kernel entry point), made once per input shape by
+    :func:`linear_call`. A decoding step of the 135M model makes ~210 of these calls: the
+    per-call Python of :func:`lora_linear` (keyword arguments, views, checks) cost about as
+    much again as a small linear's arithmetic, so the stacked layers keep one of these per
+    input shape (:class:`scpdr.lora.StackedLoraLinear`). Plain integers and a name only: the
+    tensors' addresses are read at each call (a module may be moved or copied), and it pickles.
+    """
+
+    entry: str  # the kernel's function: scpdr_lora_linear_f32 or _bf16w
+    groups: int
+    per: int  # rows per group
+    n: int
+    k: int
+    lora: int  # groups with a LoRA delta (the first ones)
+    rank: int
+    a_offset: int  # bytes from lora_a to group `first`'s matrices
+    b_offset: int
+    tmp_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+    def __call__(
+        self,
+        lib: GemmLibrary,
+        x: Tensor,
+        weight: Tensor,
+        lora_a: Tensor | None,
+        lora_b: Tensor | None,
+        threads: int,
+    ) -> Tensor:
+        """``y`` of :func:`lora_linear` for a contiguous float32 CPU ``x`` (its shape as made
+        for), shaped ``out_shape``."""
+        y = torch.empty(self.out_shape, dtype=torch.float32)
+        if self.lora:
+            tmp = torch.empty(self.tmp_shape, dtype=torch.float32)
+            a = lora_a.data_ptr() + self.a_offset  # type: ignore[union-attr]
+            b = lora_b.data_ptr() + self.b_offset  # type: ignore[union-attr]
+            t = tmp.data_ptr()
+        else:
+            a = b = t = None
+        getattr(lib.lib.cdll, self.entry)(
+            self.groups, self.per, self.n, self.k, x.data_ptr(), weight.data_ptr(), self.lora,
+            self.rank, a, b, t, y.data_ptr(), threads,
+        )  # fmt: skip
+        return y
+
+
+def linear_call(
+    shape: tuple[int, ...],
+    weight: Tensor,
+    n: int,
+    *,
+    groups: int,
+    lora_a: Tensor | None = None,
+    lora_b: Tensor | None = None,
+    first: int = 0,
+    lora: int = 0,
+    rank: int = 0,
+) -> LinearCall:
+    """The :class:`LinearCall` of :func:`lora_linear`'s arguments for an input of ``shape``
+    (``(..., k)``; its rows are G groups of R rows); the output is ``(..., n)``."""
+    k = shape[-1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    if groups < 1 or rows % groups:
+        raise ValueError(f"{rows} input rows do not split into {groups} stacked groups")
+    per = rows // groups
+    a_offset = b_offset = 0
+    tmp_shape: tuple[int, ...] = (0,)
+    if lora:
+        if lora_a is None or lora_b is None:
+            raise ValueError("LoRA groups need lora_a and lora_b")
+        tmp_shape = (lora, per, lora_a.shape[1] * lora_a.shape[-1])
+        # group `first`'s matrices: pointer arithmetic, not lora_a[first] (a view per call)
+        a_offset = first * lora_a.stride(0) * lora_a.element_size()
+        b_offset = first * lora_b.stride(0) * lora_b.element_size()
+    bf16 = weight.dtype == torch.bfloat16
+    return LinearCall(
+        entry="scpdr_lora_linear_bf16w" if bf16 else "scpdr_lora_linear_f32",
+        groups=groups,
+        per=per,
+        n=n,
+        k=k,
+        lora=lora,
+        rank=rank,
+        a_offset=a_offset,
+        b_offset=b_offset,
+        tmp_shape=tmp_shape,
+        out_shape=(*shape[:-1], n),
+    )
+
+
 def lora_linear(
     gemm: GemmLibrary,
     x: Tensor,
@@ -180,31 +277,14 @@ def lora_linear(
     :func:`pack_panels` of W, then for the first ``lora`` groups ``y_j += (x_j·A_{first+j}ᵀ)·
     (s·B_{first+j})ᵀ`` with ``lora_a`` ``(L, ceil(r / w), k, w)`` (A) and ``lora_b`` ``(L,
     ceil(n / w), r, w)`` (s·B) packed. ``weight`` may be float32 or bf16 panels (the LoRA
-    matrices are float32). Split over ``threads`` (default torch's) threads."""
-    # called ~200 times a decoding step: no tensor views or other avoidable work per call
-    rows, k = x.shape
-    per = rows // groups
-    y = torch.empty(rows, n, dtype=torch.float32)
-    a_ptr = b_ptr = tmp_ptr = None
-    tmp = None
-    if lora:
-        assert lora_a is not None and lora_b is not None
-        tmp = torch.empty(lora, per, lora_a.shape[1] * lora_a.shape[-1], dtype=torch.float32)
-        # group `first`'s matrices: pointer arithmetic, not lora_a[first] (a view per call)
-        a_ptr = lora_a.data_ptr() + first * lora_a.stride(0) * 4
-        b_ptr = lora_b.data_ptr() + first * lora_b.stride(0) * 4
-        tmp_ptr = tmp.data_ptr()
-    cdll = gemm.lib.cdll
-    fn = (
-        cdll.scpdr_lora_linear_bf16w
-        if weight.dtype is torch.bfloat16
-        else cdll.scpdr_lora_linear_f32
-    )
-    fn(
-        groups, per, n, k, x.data_ptr(), weight.data_ptr(), lora, rank, a_ptr, b_ptr, tmp_ptr,
-        y.data_ptr(), torch.get_num_threads() if threads is None else threads,
+    matrices are float32). Split over ``threads`` (default torch's) threads. (A layer called
+    at every decoding step keeps its :func:`linear_call` instead.)"""
+    call = linear_call(
+        tuple(x.shape), weight, n, groups=groups, lora_a=lora_a, lora_b=lora_b, first=first,
+        lora=lora, rank=rank,
     )  # fmt: skip
-    return y
+    threads = torch.get_num_threads() if threads is None else threads
+    return call(gemm, x, weight, lora_a, lora_b, threads)
 
 
 def lora_linear_reference(

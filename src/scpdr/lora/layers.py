@@ -28,7 +28,8 @@ from scpdr import kernels
 from scpdr.kernels.gemm import (
     PANEL_DTYPES,
     GemmLibrary,
-    lora_linear,
+    LinearCall,
+    linear_call,
     lora_linear_reference,
     pack_panels,
     unpack_panels,
@@ -216,6 +217,8 @@ class StackedLoraLinear(nn.Module):
         self.rank = 0 if b is None else int(b.shape[-2])  # b: (L, r, out) or (L, ., r, w)
         self.num_lora = 0 if a is None else int(a.shape[0])
         self._mode = mode
+        # kernels.gemm.LinearCall per (group mode, input shape, weight dtype): see _packed_forward
+        self._calls: dict[tuple, LinearCall] = {}
         c = in_chunks(self._in) if packable(w) else 1  # float32 on CPU only (_base_forward)
         src = (w if source is None else source.to(w.dtype)).detach()
         packed = chunks = None
@@ -332,8 +335,10 @@ class StackedLoraLinear(nn.Module):
         """:meth:`forward` on the packed layout: one call of the C kernel for the base matmul of
         all rows and the deltas of the groups with adapters, or :meth:`reference_forward`."""
         # per call, ~200 times a decoding step: attribute reads kept cheap (``is_cpu``, not
-        # ``device.type``; the buffers dict, not nn.Module.__getattr__)
-        w = self._buffers["weight_packed"]
+        # ``device.type``; the buffers dict, not nn.Module.__getattr__) and the call's fixed
+        # arguments made once per input shape and group mode (kernels.gemm.LinearCall)
+        buffers = self._buffers
+        w = buffers["weight_packed"]
         lib = kernels.gemm.library(self.kernel_target)  # cached: a dict lookup
         if (
             lib is None
@@ -344,12 +349,25 @@ class StackedLoraLinear(nn.Module):
             or (x.requires_grad and torch.is_grad_enabled())
         ):
             return self.reference_forward(x)
-        x2, kw = self._packed_args(x)
-        y = lora_linear(lib, x2.contiguous(), w, self._out, **kw)
-        bias = self._buffers["bias"]
+        mode = self._mode
+        key = (mode.stacked, mode.single, x.shape, w.dtype)
+        call = self._calls.get(key)
+        if call is None:
+            g, first, lora = self._groups()
+            call = linear_call(
+                tuple(x.shape), w, self._out, groups=g, lora_a=buffers["lora_a_packed"],
+                lora_b=buffers["lora_b_packed"], first=first, lora=lora, rank=self.rank,
+            )  # fmt: skip
+            self._calls[key] = call
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = call(
+            lib, x, w, buffers["lora_a_packed"], buffers["lora_b_packed"], torch.get_num_threads()
+        )
+        bias = buffers["bias"]
         if bias is not None:
             y += bias
-        return y.view(*x.shape[:-1], self._out)
+        return y
 
     def forward(self, x: Tensor) -> Tensor:
         if self._buffers["weight_packed"] is not None:
