@@ -20,6 +20,7 @@ zero-padded for an odd k. The LoRA matrices stay float32.
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import torch
@@ -226,10 +227,7 @@ def linear_call(
 ) -> LinearCall:
     """The :class:`LinearCall` of :func:`lora_linear`'s arguments for an input of ``shape``
     (``(..., k)``; its rows are G groups of R rows); the output is ``(..., n)``."""
-    k = shape[-1]
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
+    k, rows = shape[-1], math.prod(shape[:-1])
     if groups < 1 or rows % groups:
         raise ValueError(f"{rows} input rows do not split into {groups} stacked groups")
     per = rows // groups

@@ -30,8 +30,9 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   2.79-2.80), and bench_train's ``heap_trim_cost`` read 1.03 with it. Each trim inside a step
   runs only where the heap holds at least :data:`STEP_TRIM_MIN_FREE` (0.5 GiB) free
   (:func:`heap_free_bytes`): small steps free less (~0.4 GiB after the forward on 20 of the
-  demo's short records, 0.7-0.8 GiB on 8 x ~250 tokens), and trimming them at every step cost 13-18% of their time for 0.09 GiB of peak;
-  with the threshold they run as fast as untrimmed, and the 8 x 256 step keeps 2.92 GiB.
+  demo's short records, 0.7-0.8 GiB on 8 x ~250 tokens), and trimming them at every step
+  cost 13-18% of their time for 0.09 GiB of peak; with the threshold they run as fast as
+  untrimmed, and the 8 x 256 step keeps 2.92 GiB.
   ``fordblks`` counts free blocks whether their pages are resident or not, and a trim leaves
   the blocks in place: once a large step has left 0.5 GiB of free blocks, the small steps after
   it are trimmed again (as every step was before the threshold). The mmap threshold itself is
