@@ -253,13 +253,23 @@ def test_replicas_on_ray_serve_answer_the_openai_client_and_share_the_ledger(ser
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert chat.choices[0].model_extra["naf"]["budget_left"] is not None
-        fired = asyncio.run(_fire([server.url], seconds=4.0))
-        with psycopg.connect(pg_url) as conn:  # both replicas reserved on it while serving
-            (replicas,) = conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'scpdr-serve' "
-                "AND query_start >= to_timestamp(%s)",
-                (fired_at,),
-            ).fetchone()
+        # Ray Serve's proxy answers as soon as one replica runs, while the other may still be
+        # loading (seen: /health 200 ~1.5 s before the second replica's ledger connection): fire
+        # in rounds until both replicas have used the ledger since ``fired_at`` (a refusal is a
+        # ledger transaction too), or a minute has passed.
+        fired: dict = {"statuses": [], "refusals": [], "served": []}
+        deadline = time.monotonic() + 60
+        while True:
+            for key, values in asyncio.run(_fire([server.url], seconds=4.0)).items():
+                fired[key] += values
+            with psycopg.connect(pg_url) as conn:
+                (replicas,) = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                    "'scpdr-serve' AND query_start >= to_timestamp(%s)",
+                    (fired_at,),
+                ).fetchone()
+            if replicas >= 2 or time.monotonic() > deadline:
+                break
         balance = _balance(server.url)
     finally:
         server.stop(timeout=120)
