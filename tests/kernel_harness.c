@@ -9,6 +9,7 @@
 const char *scpdr_gemm_isa(void);
 int64_t scpdr_panel_width(void);
 void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int accumulate, int64_t threads);
+void scpdr_gemm_packed_q4w(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int accumulate, int64_t threads);
 int scp_delta_r_f32(const float *x, int64_t k, int64_t n, int64_t v, const float *base, int64_t base_rows, int64_t m, float *out, int64_t *kept);
 int cp_fuse_stats_f32(const float *lp, int64_t n, int64_t v, float step, int64_t ni, int64_t nj, double *out);
 static float rnd(void) { return (float)rand() / RAND_MAX * 2 - 1; }
@@ -31,6 +32,34 @@ int main(void) {
         }
         printf("gemm %ldx%ldx%ld max err %.2e\n", (long)m, (long)n, (long)k, err);
         bad |= err > 1e-3;
+    }
+    /* q4 panels (k / 32 blocks of d[NR], m[NR] float32, 16 x NR bytes of two nibbles) equal
+       the float32 kernel on their dequantized values, fl(fl(d * q) + m), bit for bit */
+    int64_t q4rows[] = {1, 3, 7, 24};
+    for (int s = 0; s < 4; s++) {
+        int64_t m = q4rows[s], n = 70, k = 160, p = (n + NR - 1) / NR, qb = 24 * NR;
+        uint8_t *pq = calloc(p * (k / 32) * qb, 1);
+        float *pk = calloc(p * k * NR, 4), *x = malloc(4 * m * k), *y = malloc(4 * m * n), *y2 = malloc(4 * m * n);
+        for (int64_t i = 0; i < m * k; i++) x[i] = rnd();
+        for (int64_t pp = 0; pp < p; pp++) for (int64_t b = 0; b < k / 32; b++) {
+            uint8_t *blk = pq + (pp * (k / 32) + b) * qb;
+            float *d = (float *)blk, *mn = d + NR;
+            for (int64_t c = 0; c < NR && pp * NR + c < n; c++) { d[c] = 0.05f * (rnd() + 1.01f); mn[c] = -0.4f * (rnd() + 1); }
+            for (int64_t j = 0; j < 16; j++) for (int64_t c = 0; c < NR; c++) {
+                if (pp * NR + c >= n) continue;
+                uint8_t lo = rand() & 15, hi = rand() & 15;
+                blk[8 * NR + j * NR + c] = lo | hi << 4;
+                for (int h = 0; h < 2; h++) {
+                    volatile float prod = d[c] * (float)(h ? hi : lo);
+                    pk[(pp * k + b * 32 + 2 * j + h) * NR + c] = prod + mn[c];
+                }
+            }
+        }
+        scpdr_gemm_packed_q4w(m, n, k, x, k, pq, y, n, 0, 1);
+        scpdr_gemm_packed_f32(m, n, k, x, k, pk, y2, n, 0, 1);
+        int same = memcmp(y, y2, 4 * m * n) == 0;
+        printf("q4 gemm %ldx%ldx%ld same bits as float32: %d\n", (long)m, (long)n, (long)k, same);
+        bad |= !same;
     }
     /* SCP-Δr: normalized output, kept tokens distinct; all-equal input keeps ids 0..m-1 */
     int64_t V = 3000, K = 2, N = 2, M = 10;

@@ -14,7 +14,10 @@ half the bytes streamed per decoding step; the kernel widens them to float32 exa
 registers, and the rows, products and sums stay float32, in the same order, so the result
 equals the float32 kernel's on the bf16-rounded weight bit for bit). A bf16 panel pairs the
 weights of two consecutive inputs of each column: ``(ceil(k / 2), width, 2)``, the last pair
-zero-padded for an odd k. The LoRA matrices stay float32.
+zero-padded for an odd k. A base loaded from a GGUF file may also keep its Q4_1 blocks
+(:mod:`scpdr.kernels.q4`: uint8 panels, ~3/16 of the float32 bytes; the kernel rebuilds the
+loader's float32 values exactly, so the result equals the float32 kernel's bit for bit). The
+LoRA matrices stay float32.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from torch import Tensor
 
 from scpdr.kernels import build
+from scpdr.kernels.q4 import is_q4_panels, unpack_q4_panels
 
 __all__ = [
     "NAME",
@@ -83,7 +87,9 @@ def _configure(lib: ctypes.CDLL) -> str:
     lora.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64]
     lora.restype = None
     for fn, args in ((lib.scpdr_gemm_packed_bf16w, gemm.argtypes),
-                     (lib.scpdr_lora_linear_bf16w, lora.argtypes)):  # fmt: skip
+                     (lib.scpdr_lora_linear_bf16w, lora.argtypes),
+                     (lib.scpdr_gemm_packed_q4w, gemm.argtypes),
+                     (lib.scpdr_lora_linear_q4w, lora.argtypes)):  # fmt: skip
         fn.argtypes, fn.restype = args, None
     for fn in (lib.scpdr_panel_width, lib.scpdr_tile_rows):
         fn.argtypes, fn.restype = [], _I64
@@ -117,8 +123,14 @@ def library(target: str | None = None) -> GemmLibrary | None:
     return found
 
 
-#: The dtypes a packed base weight may have.
-PANEL_DTYPES = (torch.float32, torch.bfloat16)
+#: The dtypes a packed base weight may have (uint8: q4 panels, :mod:`scpdr.kernels.q4`).
+PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+#: The kernel's stacked-linear entry point per panel dtype.
+_ENTRIES = {
+    torch.float32: "scpdr_lora_linear_f32",
+    torch.bfloat16: "scpdr_lora_linear_bf16w",
+    torch.uint8: "scpdr_lora_linear_q4w",
+}
 
 
 def pack_panels(
@@ -131,8 +143,10 @@ def pack_panels(
     left). With ``dtype=torch.bfloat16`` (the base weight only; not with ``out``): W rounded to
     bf16 (to nearest even), each panel ``(ceil(k / 2), width, 2)`` (inputs 2i and 2i + 1 of a
     column side by side; a zero pads an odd k)."""
-    if dtype not in PANEL_DTYPES:
-        raise ValueError(f"packed panels are float32 or bfloat16, not {dtype}")
+    if dtype not in PANEL_DTYPES[:2]:
+        raise ValueError(
+            f"packed panels are float32 or bfloat16, not {dtype} (q4 panels: q4.pack_q4_panels)"
+        )
     n, k = w.shape
     full, rest = divmod(n, width)
     if dtype == torch.bfloat16:
@@ -153,8 +167,11 @@ def pack_panels(
 
 
 def unpack_panels(packed: Tensor, n: int, k: int | None = None) -> Tensor:
-    """The inverse of :func:`pack_panels`: ``W (n, k)`` (a copy, in the panels' dtype). For
-    bf16 panels (4 dimensions) ``k`` is needed when it may be odd (default: even)."""
+    """The inverse of :func:`pack_panels`: ``W (n, k)`` (a copy, in the panels' dtype; float32
+    for q4 panels). For bf16 panels (4 dimensions) ``k`` is needed when it may be odd (default:
+    even)."""
+    if is_q4_panels(packed):
+        return unpack_q4_panels(packed, n)
     if packed.dim() == 4:  # bf16: (p, ceil(k / 2), width, 2)
         p, half, width, _ = packed.shape
         packed = packed.transpose(2, 3).reshape(p, 2 * half, width)
@@ -175,7 +192,7 @@ class LinearCall:
     tensors' addresses are read at each call (a module may be moved or copied), and it pickles.
     """
 
-    entry: str  # the kernel's function: scpdr_lora_linear_f32 or _bf16w
+    entry: str  # the kernel's function: scpdr_lora_linear_f32, _bf16w or _q4w
     groups: int
     per: int  # rows per group
     n: int
@@ -231,6 +248,10 @@ def linear_call(
     if groups < 1 or rows % groups:
         raise ValueError(f"{rows} input rows do not split into {groups} stacked groups")
     per = rows // groups
+    if weight.dtype not in _ENTRIES:
+        raise ValueError(f"packed panels are float32, bfloat16 or uint8 (q4), not {weight.dtype}")
+    if is_q4_panels(weight) and weight.shape[1] * 32 != k:  # the kernel reads k / 32 blocks
+        raise ValueError(f"q4 panels of {weight.shape[1] * 32} inputs, but the input has {k}")
     a_offset = b_offset = 0
     tmp_shape: tuple[int, ...] = (0,)
     if lora:
@@ -240,9 +261,8 @@ def linear_call(
         # group `first`'s matrices: pointer arithmetic, not lora_a[first] (a view per call)
         a_offset = first * lora_a.stride(0) * lora_a.element_size()
         b_offset = first * lora_b.stride(0) * lora_b.element_size()
-    bf16 = weight.dtype == torch.bfloat16
     return LinearCall(
-        entry="scpdr_lora_linear_bf16w" if bf16 else "scpdr_lora_linear_f32",
+        entry=_ENTRIES[weight.dtype],
         groups=groups,
         per=per,
         n=n,
@@ -274,7 +294,7 @@ def lora_linear(
     holds G groups of R rows; ``y = x·Wᵀ`` ``(G·R, n)`` for all rows with ``weight`` =
     :func:`pack_panels` of W, then for the first ``lora`` groups ``y_j += (x_j·A_{first+j}ᵀ)·
     (s·B_{first+j})ᵀ`` with ``lora_a`` ``(L, ceil(r / w), k, w)`` (A) and ``lora_b`` ``(L,
-    ceil(n / w), r, w)`` (s·B) packed. ``weight`` may be float32 or bf16 panels (the LoRA
+    ceil(n / w), r, w)`` (s·B) packed. ``weight`` may be float32, bf16 or q4 panels (the LoRA
     matrices are float32). Split over ``threads`` (default torch's) threads. (A layer called
     at every decoding step keeps its :func:`linear_call` instead.)"""
     call = linear_call(
@@ -298,8 +318,8 @@ def lora_linear_reference(
     rank: int = 0,
 ) -> Tensor:
     """:func:`lora_linear` in torch ops on the same packed layout (any dtype and device,
-    differentiable): ``x·Wᵀ``, then the deltas of the first ``lora`` groups. bf16 panels are
-    widened to ``x``'s dtype (exactly, for float32)."""
+    differentiable): ``x·Wᵀ``, then the deltas of the first ``lora`` groups. bf16 and q4
+    panels are widened to ``x``'s dtype (exactly, for float32)."""
     k = x.shape[-1]
     y = x @ unpack_panels(weight, n, k).to(x.dtype).t()
     if not lora:

@@ -33,6 +33,13 @@
    thread in the same order). */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -71,7 +78,7 @@
 #undef NV
 #define NV SCPDR_TILE_NV
 #endif
-#ifndef MR_BF16 /* the tile's rows with bf16 weights (their widening needs registers too) */
+#ifndef MR_BF16 /* the tile's rows with bf16 or q4 weights (their widening needs registers too) */
 #if MR > 3 && VBYTES == 32
 #define MR_BF16 3
 #else
@@ -108,20 +115,48 @@ int64_t scpdr_tile_rows(void) { return MR; }
    odd K), so that one vector load yields two float32 weight vectors exactly, by a shift (input
    k: the low half) and two (input k + 1: the high half; no mask constant, which would take a
    register) — no cross-lane conversion; the
-   weight stream is half the float32 one. `bf16` is a compile-time constant in every call of
+   weight stream is half the float32 one. `wt` is a compile-time constant in every call of
    tile() (inlined per case), so each variant's loop has no branch. */
 typedef uint32_t vu __attribute__((vector_size(VBYTES), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VBYTES), aligned(4)));
+typedef uint8_t vb __attribute__((vector_size(LANES), aligned(1)));
 
-/* y[0:mr, 0:nvalid] (+)= x[0:mr, 0:k] · panel (k, NR) */
+#define W_F32 0
+#define W_BF16 1
+#define W_Q4 2
+#include "q4_panels.h"
+
+/* y[0:mr, 0:nvalid] (+)= x[0:mr, 0:k] · panel (k, NR). A sum over k in parts (q4 panels
+   dequantized a slice of inputs at a time): the accumulators start from `init` (mr x NR, the
+   previous slices' sums) and, unless this is the last slice, are stored to `save` instead of
+   y — exact float32 stores and loads, so the sums are those of one pass. */
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, const float *x,
                                                        int64_t ldx, const void *panel, float *y,
                                                        int64_t ldy, int64_t nvalid,
-                                                       int accumulate, const int bf16,
-                                                       const char *pf, int64_t pf_step) {
+                                                       int accumulate, const int wt,
+                                                       const char *pf, int64_t pf_step,
+                                                       const float *init, float *save) {
     vf c[MR][NV];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NV; j++) c[i][j] = (vf){0};
-    if (bf16) {
+        for (int j = 0; j < NV; j++)
+            c[i][j] = init && i < mr ? *(const vf *)(init + i * NR + LANES * j) : (vf){0};
+    if (wt == W_Q4) { /* one block of 32 inputs at a time; input 2j, then 2j + 1 */
+        const char *blk = (const char *)panel;
+        for (int64_t kb = 0; kb < k; kb += 32, blk += QBLOCK) {
+            const float *d = (const float *)blk, *m = d + NR;
+            const uint8_t *q = (const uint8_t *)(m + NR);
+            for (int jj = 0; jj < 16; jj++, q += NR) {
+                vf wv[NV];
+                for (int hi = 0; hi < 2; hi++) {
+                    q4_weights(d, m, q, hi, wv);
+                    for (int i = 0; i < mr; i++) {
+                        const float s = x[i * ldx + kb + 2 * jj + hi];
+                        for (int j = 0; j < NV; j++) c[i][j] += wv[j] * s;
+                    }
+                }
+            }
+        }
+    } else if (wt == W_BF16) {
         const vu *w = (const vu *)panel;
         int64_t kk = 0;
         for (; kk + 1 < k; kk += 2, w += NV) {
@@ -160,6 +195,11 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
             }
         }
     }
+    if (save) {
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < NV; j++) *(vf *)(save + i * NR + LANES * j) = c[i][j];
+        return;
+    }
     for (int i = 0; i < mr; i++) {
         float *yi = y + i * ldy;
         if (nvalid == NR) {
@@ -176,18 +216,23 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
 }
 
 static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const void *panel,
-                      float *y, int64_t ldy, int64_t nvalid, int accumulate, int bf16,
-                      const char *pf, int64_t pf_step) {
+                      float *y, int64_t ldy, int64_t nvalid, int accumulate, int wt,
+                      const char *pf, int64_t pf_step, const float *init, float *save) {
 #define TILE(R)                                                                                \
     case R:                                                                                    \
-        if (bf16 && pf)                                                                        \
-            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 1, pf, pf_step);             \
-        else if (bf16)                                                                         \
-            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 1, NULL, 0);                 \
+        if (wt == W_Q4)                                                                        \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, W_Q4, NULL, 0, NULL, NULL);  \
+        else if (wt == W_BF16 && pf)                                                           \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, W_BF16, pf, pf_step, NULL,   \
+                 NULL);                                                                        \
+        else if (wt == W_BF16)                                                                 \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, W_BF16, NULL, 0, NULL, NULL);\
+        else if (init || save)                                                                 \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0, NULL, 0, init, save);     \
         else if (pf)                                                                           \
-            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0, pf, pf_step);             \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0, pf, pf_step, NULL, NULL); \
         else                                                                                   \
-            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0, NULL, 0);                 \
+            tile(R, k, x, ldx, panel, y, ldy, nvalid, accumulate, 0, NULL, 0, NULL, NULL);     \
         break;
     switch (mr) { /* a constant row count per case: the accumulators stay in registers */
 #if MR >= 12
@@ -231,21 +276,63 @@ static void tile_rows(int64_t mr, int64_t k, const float *x, int64_t ldx, const 
 #undef TILE
 }
 
+/* gemm_panels for q4 panels and more rows than one in-register tile: for each panel, each
+   slice of Q4_SLICE inputs is dequantized once into buf and every float32 tile of the row chunk
+   adds it to its partial sums (kept in buf after the slice; the last slice writes y). The sums
+   are those of one pass over k in order. Returns 0 (nothing done) without a buffer. */
+static int gemm_panels_q4_sliced(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                                 const void *w, float *y, int64_t ldy, int accumulate,
+                                 int64_t p0, int64_t p1) {
+    int64_t chunk = X_CHUNK_BYTES / (k * (int64_t)sizeof(float)) / MR * MR;
+    if (chunk < MR) chunk = MR;
+    const int64_t rows = m < chunk ? m : chunk;
+    float *dq = q4_buffer(Q4_SLICE * NR + rows * NR);
+    if (dq == NULL) return 0;
+    float *part = dq + Q4_SLICE * NR;
+    const int64_t panel_bytes = k / 32 * QBLOCK;
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
+        const int64_t tiles = (mc + MR - 1) / MR;
+        for (int64_t p = p0; p < p1; p++) {
+            const char *panel = (const char *)w + p * panel_bytes;
+            const int64_t nvalid = n - p * NR < NR ? n - p * NR : NR;
+            for (int64_t k0 = 0; k0 < k; k0 += Q4_SLICE) {
+                const int64_t kc = k - k0 < Q4_SLICE ? k - k0 : Q4_SLICE;
+                q4_dequantize(kc, panel + k0 / 32 * QBLOCK, dq);
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t i = mc * t / tiles, mr = mc * (t + 1) / tiles - i;
+                    tile_rows(mr, kc, x + (m0 + i) * ldx + k0, ldx, dq,
+                              y + (m0 + i) * ldy + p * NR, ldy, nvalid, accumulate, W_F32, NULL,
+                              0, k0 ? part + i * NR : NULL, k0 + kc < k ? part + i * NR : NULL);
+                }
+            }
+        }
+    }
+    return 1;
+}
+
 /* Panels [p0, p1) of y (m, n; row stride ldy) = x (m, k; row stride ldx) · Wᵀ, or += with
-   accumulate != 0, where w is W (n, k) packed as (ceil(n / NR), k, NR), float32 elements or
-   bfloat16 ones (bf16 != 0). */
+   accumulate != 0, where w is W (n, k) packed as (ceil(n / NR), k, NR), float32 elements
+   (wt W_F32), bfloat16 ones (W_BF16) or q4 blocks (W_Q4, k a multiple of 32). */
 static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                         const void *w, float *y, int64_t ldy, int accumulate, int64_t p0,
-                        int64_t p1, int bf16) {
+                        int64_t p1, int wt) {
     if (k <= 0) { /* an empty sum (rank 0): y = 0, or unchanged when accumulating */
         if (!accumulate)
             for (int64_t i = 0; i < m; i++)
                 for (int64_t c = p0 * NR; c < n && c < p1 * NR; c++) y[i * ldy + c] = 0.0f;
         return;
     }
-    /* bytes of a panel: k x NR floats, or ceil(k / 2) x NR pairs of bf16 */
-    const int64_t panel_bytes = bf16 ? (k + 1) / 2 * NR * 4 : k * NR * 4;
-    const int64_t tr = bf16 ? MR_BF16 : MR; /* rows per tile */
+    /* q4 weights: up to MR_BF16 rows in one tile that rebuilds the weights in registers, more
+       rows in float32 tiles over slices dequantized once */
+    if (wt == W_Q4 && m > MR_BF16 &&
+        gemm_panels_q4_sliced(m, n, k, x, ldx, w, y, ldy, accumulate, p0, p1))
+        return;
+    /* bytes of a panel: k x NR floats, ceil(k / 2) x NR pairs of bf16, or k / 32 q4 blocks */
+    const int64_t panel_bytes = wt == W_Q4    ? k / 32 * QBLOCK
+                                : wt == W_BF16 ? (k + 1) / 2 * NR * 4
+                                               : k * NR * 4;
+    const int64_t tr = wt == W_F32 ? MR : MR_BF16; /* rows per tile */
     const int prefetch = scpdr_gemm_prefetch();
     int64_t chunk = X_CHUNK_BYTES / (k * (int64_t)sizeof(float)) / tr * tr;
     if (chunk < tr) chunk = tr;
@@ -257,7 +344,7 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t
             /* ceil(mc / MR) tiles of balanced heights (8 rows: 4 + 4, not 6 + 2: a short tile
                has too few independent accumulators to hide the FMA latency) */
             const int64_t tiles = (mc + tr - 1) / tr;
-            const int64_t iters = bf16 ? k / 2 : k; /* tile()'s loop steps over the panel */
+            const int64_t iters = wt == W_BF16 ? k / 2 : k; /* tile()'s loop steps over the panel */
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t i = mc * t / tiles, mr = mc * (t + 1) / tiles - i;
                 /* The first tile streams the panel from memory; the others re-read it from
@@ -266,13 +353,13 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t
                    an Intel Xeon: 14.3-14.8 -> 10.9-11.7 ms for a layer's linears x 4) */
                 const char *pf = NULL;
                 int64_t pf_step = 0;
-                if (prefetch && t >= 1 && p + 1 < p1 && iters > 0) {
+                if (prefetch && wt != W_Q4 && t >= 1 && p + 1 < p1 && iters > 0) {
                     const int64_t part = (panel_bytes + tiles - 2) / (tiles - 1);
                     pf = (const char *)panel + panel_bytes + (t - 1) * part;
                     pf_step = (part + iters - 1) / iters;
                 }
                 tile_rows(mr, k, x + (m0 + i) * ldx, ldx, panel, y + (m0 + i) * ldy + p * NR,
-                          ldy, nvalid, accumulate, bf16, pf, pf_step);
+                          ldy, nvalid, accumulate, wt, pf, pf_step, NULL, NULL);
             }
         }
     }
@@ -300,13 +387,13 @@ static int parallel_worth(int64_t threads, int64_t m, int64_t n, int64_t k) {
    OpenMP runtime torch uses, when built with it). */
 static void gemm_packed(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                         const void *w, float *y, int64_t ldy, int accumulate, int64_t threads,
-                        int bf16) {
+                        int wt) {
     const int64_t panels = (n + NR - 1) / NR;
 #pragma omp parallel num_threads((int)threads) if (parallel_worth(threads, m, n, k))
     {
         int64_t p0, p1;
         share(panels, &p0, &p1);
-        gemm_panels(m, n, k, x, ldx, w, y, ldy, accumulate, p0, p1, bf16);
+        gemm_panels(m, n, k, x, ldx, w, y, ldy, accumulate, p0, p1, wt);
     }
 }
 
@@ -320,7 +407,14 @@ void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int6
 void scpdr_gemm_packed_bf16w(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                              const uint16_t *w, float *y, int64_t ldy, int accumulate,
                              int64_t threads) {
-    gemm_packed(m, n, k, x, ldx, w, y, ldy, accumulate, threads, 1);
+    gemm_packed(m, n, k, x, ldx, w, y, ldy, accumulate, threads, W_BF16);
+}
+
+/* The same with W's panels in q4 blocks (k a multiple of 32). */
+void scpdr_gemm_packed_q4w(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                           const uint8_t *w, float *y, int64_t ldy, int accumulate,
+                           int64_t threads) {
+    gemm_packed(m, n, k, x, ldx, w, y, ldy, accumulate, threads, W_Q4);
 }
 
 /* The stacked LoRA linear of scpdr.lora.StackedLoraLinear: x holds g groups of `rows` rows
@@ -328,10 +422,10 @@ void scpdr_gemm_packed_bf16w(int64_t m, int64_t n, int64_t k, const float *x, in
    with a = A_iᵀ of rank r packed as (l, ceil(r / NR), k, NR) and b = s_i·B_i packed as
    (l, ceil(n / NR), r, NR); tmp has room for l x rows x ceil(r / NR)·NR floats. One parallel
    region: the base panels and the l products x_i·A_iᵀ, a barrier, then the panels of the
-   deltas added to y. W's panels are float32 or (bf16 != 0) bfloat16; a and b are float32. */
+   deltas added to y. W's panels are float32, bfloat16 or q4 blocks (wt); a and b are float32. */
 static void lora_linear(int64_t g, int64_t rows, int64_t n, int64_t k, const float *x,
                         const void *w, int64_t l, int64_t r, const float *a, const float *b,
-                        float *tmp, float *y, int64_t threads, int bf16) {
+                        float *tmp, float *y, int64_t threads, int wt) {
     const int64_t rp = (r + NR - 1) / NR * NR;
     const int64_t np = (n + NR - 1) / NR * NR;
     const int64_t panels = np / NR;
@@ -340,7 +434,7 @@ static void lora_linear(int64_t g, int64_t rows, int64_t n, int64_t k, const flo
     {
         int64_t p0, p1;
         share(panels, &p0, &p1);
-        gemm_panels(g * rows, n, k, x, k, w, y, n, 0, p0, p1, bf16);
+        gemm_panels(g * rows, n, k, x, k, w, y, n, 0, p0, p1, wt);
         int64_t i0, i1;
         share(l, &i0, &i1);
         for (int64_t i = i0; i < i1; i++)
@@ -363,5 +457,12 @@ void scpdr_lora_linear_f32(int64_t g, int64_t rows, int64_t n, int64_t k, const 
 void scpdr_lora_linear_bf16w(int64_t g, int64_t rows, int64_t n, int64_t k, const float *x,
                              const uint16_t *w, int64_t l, int64_t r, const float *a,
                              const float *b, float *tmp, float *y, int64_t threads) {
-    lora_linear(g, rows, n, k, x, w, l, r, a, b, tmp, y, threads, 1);
+    lora_linear(g, rows, n, k, x, w, l, r, a, b, tmp, y, threads, W_BF16);
+}
+
+/* The same with W's panels in q4 blocks (k a multiple of 32). */
+void scpdr_lora_linear_q4w(int64_t g, int64_t rows, int64_t n, int64_t k, const float *x,
+                           const uint8_t *w, int64_t l, int64_t r, const float *a,
+                           const float *b, float *tmp, float *y, int64_t threads) {
+    lora_linear(g, rows, n, k, x, w, l, r, a, b, tmp, y, threads, W_Q4);
 }

@@ -1,5 +1,6 @@
-"""Kernel or torch for the shared-base LoRA fast path's linears (:mod:`scpdr.lora.layers`), and
-the packed kernel's next-panel prefetch: both measured on the model's shapes on this machine at
+"""Kernel or torch for the shared-base LoRA fast path's linears (:mod:`scpdr.lora.layers`), the
+packed kernel's next-panel prefetch, and GGUF Q4_1 blocks or float32 panels for a base loaded
+from a GGUF file (:mod:`scpdr.kernels.q4`): each measured on the model's shapes on this machine at
 first use (a fraction of a second each), logged once and remembered beside the kernel's build in
 ``$SCPDR_HOME/kernels`` (``SCPDR_GEMM_KERNEL=0``/``1`` forces a side without measuring).
 """
@@ -14,6 +15,7 @@ from torch import nn
 
 from scpdr import kernels
 from scpdr.kernels.gemm import GemmLibrary
+from scpdr.kernels.q4 import dequantize_blocks
 from scpdr.lora.layers import GroupMode, StackedLoraLinear
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "MEASURE_WEIGHT_BYTES",
     "choose_gemm",
     "choose_prefetch",
+    "choose_q4",
     "synthetic_layer",
     "time_layers",
 ]
@@ -42,21 +45,29 @@ def synthetic_layer(
     groups: int,
     dtype: torch.dtype = torch.float32,
     weight_dtype: torch.dtype = torch.float32,
+    q4: bool = False,
 ) -> StackedLoraLinear:
     """A :class:`StackedLoraLinear` of ``(in, out, rank)`` with ``lora`` adapters and constant
     weights (their values do not change the speed), seeing ``groups`` stacked groups: packed
     for ``gemm`` (base panels in ``weight_dtype``) or on torch's layout in ``dtype``. What the
-    kernel/torch and decoding-precision measurements time."""
+    kernel/torch, decoding-precision and q4 measurements time. ``q4`` (``in`` a multiple of 32):
+    the weight is that of constant Q4_1 blocks, packed as q4 panels."""
     n_in, n_out, rank = shape
     layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, dtype=dtype)
     layer.weight.requires_grad_(False).fill_(0.01)
+    blocks = None
+    if q4:
+        blocks = torch.zeros(n_out, n_in // 32, 20, dtype=torch.uint8)
+        blocks[..., 0:2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        blocks[..., 4:] = 0x11  # q = 1: w = fl(d)
+        layer.weight.copy_(dequantize_blocks(blocks))
     a = b = None
     if rank:
         a = torch.full((lora, n_in, rank), 0.01, dtype=dtype)
         b = torch.full((lora, rank, n_out), 0.01, dtype=dtype)
     mode = GroupMode()
     mode.stacked = groups
-    return StackedLoraLinear(layer, a, b, mode, gemm=gemm, weight_dtype=weight_dtype)
+    return StackedLoraLinear(layer, a, b, mode, gemm=gemm, weight_dtype=weight_dtype, q4=blocks)
 
 
 def time_layers(
@@ -88,12 +99,19 @@ def time_layers(
 
 
 def _copies(
-    gemm: GemmLibrary | None, shapes: list[tuple[int, int, int]], groups: int, lora: int
+    gemm: GemmLibrary | None,
+    shapes: list[tuple[int, int, int]],
+    groups: int,
+    lora: int,
+    *,
+    q4: bool = False,
 ) -> list[StackedLoraLinear]:
-    """Synthetic layers of ``shapes``, copied up to :data:`MEASURE_WEIGHT_BYTES` of weights."""
+    """Synthetic layers of ``shapes``, copied up to :data:`MEASURE_WEIGHT_BYTES` of float32
+    weights (the same number of copies with ``q4``)."""
     per_copy = sum(i * o * 4 for i, o, _ in shapes)
     copies = max(1, min(MEASURE_WEIGHT_BYTES // max(1, per_copy), 128 // len(shapes)))
-    return [synthetic_layer(s, lora, gemm, groups=groups) for _ in range(copies) for s in shapes]
+    return [synthetic_layer(s, lora, gemm, groups=groups, q4=q4)
+            for _ in range(copies) for s in shapes]  # fmt: skip
 
 
 def _measure(
@@ -189,3 +207,48 @@ def choose_gemm(
         gemm.lib, key, lambda: _measure(gemm, distinct, groups, lora), title=_TITLE
     )
     return gemm if choice.use_kernel else None
+
+
+def _measure_q4(
+    gemm: GemmLibrary, shapes: list[tuple[int, int, int]], groups: int, lora: int
+) -> list[tuple[str, float, float]]:
+    sides = {side: (_copies(gemm, shapes, groups, lora, q4=side == "q4"), torch.float32)
+             for side in ("q4", "float32")}  # fmt: skip
+    out = []
+    for per in MEASURE_ROWS_PER_GROUP:
+        rows = groups * per
+        med = time_layers(sides, rows, repeats=5)
+        out.append((f"at {rows} rows", med["q4"], med["float32"]))
+    return out
+
+
+def choose_q4(
+    gemm: GemmLibrary, shapes: Sequence[tuple[int, int, int]], *, groups: int, lora: int
+) -> bool:
+    """Whether ``gemm`` runs a base's GGUF Q4_1 blocks (:mod:`scpdr.kernels.q4`) instead of its
+    float32 panels: ``shapes`` ``(in, out, rank)`` of the linears the file holds in blocks,
+    timed with q4 and float32 panels (the same values) at the decode steps of batch 1 and 8 (G
+    and 8·G rows), both in the same moment, and kept only if faster in both; forced like the
+    kernel (``SCPDR_GEMM_KERNEL=1``: on). The decision is logged once and remembered.
+    """
+    side = kernels.policy(kernels.gemm.NAME)
+    if side == "kernel":
+        return True
+    distinct = sorted({s for s in shapes if s[0] % 32 == 0})
+    if side == "torch" or not distinct:
+        return False
+    key = f"q4-G{groups}-L{lora}-" + hashlib.sha256(repr(distinct).encode()).hexdigest()[:12]
+
+    def describe(choice: kernels.Choice) -> str:
+        parts = [f"{f / q:.2g}× {what}" for what, q, f in choice.timings if q > 0]
+        state = "q4 blocks" if choice.use_kernel else "float32 panels"
+        return f"{_TITLE} ({gemm.lib.label}): GGUF Q4_1 weights {', '.join(parts)}: {state}"
+
+    choice = kernels.build.measured_choice(
+        kernels.build.choices_file(gemm.lib),
+        key,
+        lambda: _measure_q4(gemm, distinct, groups, lora),
+        describe=describe,
+        reason="measured against float32 panels",
+    )
+    return choice.use_kernel

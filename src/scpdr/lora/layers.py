@@ -34,6 +34,7 @@ from scpdr.kernels.gemm import (
     pack_panels,
     unpack_panels,
 )
+from scpdr.kernels.q4 import is_q4_panels, pack_q4_panels, q4_exact
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,11 @@ class StackedLoraLinear(nn.Module):
     the re-laid-out copy so that the model's own (memory-mapped) one is never paged in.
     ``weight_dtype``: ``torch.bfloat16`` packs the base weight in bf16 panels (the kernel
     widens them exactly and computes in float32: the layer is then the bf16-rounded weight's,
-    half the bytes per step); only with ``gemm``.
+    half the bytes per step); only with ``gemm``. ``q4``: the weight's GGUF Q4_1 blocks ``(out,
+    in / 32, 20)`` (:class:`scpdr.kernels.q4.Q4Source`): with ``gemm`` and float32 panels, where
+    they dequantize to the weight exactly, the panels are q4 ones (``weight_packed`` uint8; the
+    kernel rebuilds the same float32 values: bit for bit the float32 layer, from ~3/16 of the
+    bytes); otherwise they are ignored (:attr:`weight_format` says which).
     """
 
     def __init__(
@@ -200,6 +205,7 @@ class StackedLoraLinear(nn.Module):
         gemm: GemmLibrary | None = None,
         lora_packed: bool = False,
         weight_dtype: torch.dtype = torch.float32,
+        q4: Tensor | None = None,
     ) -> None:
         super().__init__()
         self._in, self._out = base_layer.in_features, base_layer.out_features
@@ -224,7 +230,10 @@ class StackedLoraLinear(nn.Module):
         packed = chunks = None
         if packs and gemm is not None:  # panels for kernels/packed_gemm.c, built once
             width = gemm.panel_width
-            packed = pack_panels(src, width, dtype=weight_dtype)
+            if weight_dtype == torch.float32 and q4 is not None and q4_exact(q4, src):
+                packed = pack_q4_panels(q4, width)
+            else:
+                packed = pack_panels(src, width, dtype=weight_dtype)
             if a is not None and not lora_packed:  # a (L, in, r) = A_gᵀ, b (L, r, out) = s·B_gᵀ
                 a = torch.stack([pack_panels(t.t(), width) for t in a])
                 b = torch.stack([pack_panels(t.t(), width) for t in b])
@@ -253,6 +262,15 @@ class StackedLoraLinear(nn.Module):
         if self.weight_packed is not None:  # bf16 panels: widened (exactly)
             return unpack_panels(self.weight_packed, self._out, self._in).to(torch.float32)
         return self.weight_chunks.permute(1, 0, 2).reshape(self._out, self._in)
+
+    @property
+    def weight_format(self) -> str:
+        """How the base weight is held: ``"float32"``, ``"bf16"`` (bf16 panels) or ``"q4_1"``
+        (GGUF Q4_1 blocks in q4 panels)."""
+        w = self.weight_packed
+        if w is None or w.dtype == torch.float32:
+            return "float32"
+        return "q4_1" if is_q4_panels(w) else "bf16"
 
     @property
     def in_features(self) -> int:
@@ -325,7 +343,10 @@ class StackedLoraLinear(nn.Module):
             raise ValueError("reference_forward is the reference of a packed layer")
         w = self.weight_packed
         x2, kw = self._packed_args(x)
-        dtype = torch.float32 if w.dtype == torch.bfloat16 else w.dtype  # bf16 panels: widened
+        dtype = (
+            w.dtype if w.dtype.is_floating_point and w.dtype != torch.bfloat16 else torch.float32
+        )
+        # (bf16 and q4 panels are widened to float32)
         y = lora_linear_reference(x2.to(w.device, dtype), w, self._out, **kw)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -390,6 +411,6 @@ class StackedLoraLinear(nn.Module):
     def extra_repr(self) -> str:
         w = self.weight_packed
         kernel = "torch" if w is None else f"packed ({self.kernel_target})"
-        if w is not None and w.dtype == torch.bfloat16:
-            kernel += ", bf16 weights"
+        if w is not None and w.dtype != torch.float32:
+            kernel += f", {self.weight_format} weights"
         return f"groups_with_lora={self.num_lora}, rank={self.rank}, kernel={kernel}"

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -87,6 +88,26 @@ def _canonical(ref: str) -> str:
     if ref == EMBEDDED:
         return str(base_model_dir().resolve())
     return str(Path(ref).resolve())
+
+
+def _q4_source(base: str, model: Any) -> Callable[[str], Tensor | None] | None:
+    """The GGUF Q4_1 blocks of the base ``base`` (a canonical ref) where it was loaded from a
+    GGUF file: the file itself, or the embedded model's (:func:`scpdr.kernels.q4.gguf_q4_source`;
+    what they give is checked against each weight before use)."""
+    from scpdr.kernels.q4 import gguf_q4_source
+    from scpdr.models import EMBEDDED, embedded_gguf_path
+
+    try:
+        if base.lower().endswith(".gguf"):
+            path = Path(base)
+        elif base == _canonical(EMBEDDED):
+            path = embedded_gguf_path()
+        else:
+            return None
+    except (FileNotFoundError, ImportError, OSError) as exc:  # no embedded package here
+        logger.debug("no GGUF blocks for %s: %s", base, exc)
+        return None
+    return gguf_q4_source(path, model.config)
 
 
 def stacked_from_bundle(
@@ -176,7 +197,7 @@ def fast_path_from_bundle(
     try:
         stack = StackedLoRA(
             model, adapters, names, weight_source=source, release_adapters=True,
-            weight_dtype=weight_dtype,
+            weight_dtype=weight_dtype, q4_source=_q4_source(common, model),
         )  # fmt: skip
     except UnsupportedAdapterError as exc:
         return off(str(exc))

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from scpdr.kernels.gemm import GemmLibrary, pack_panels
 from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError
-from scpdr.lora.gemm_choice import choose_gemm
+from scpdr.lora.gemm_choice import choose_gemm, choose_q4
 from scpdr.lora.layers import (
     GroupMode,
     PackedEmbedding,
@@ -153,6 +153,12 @@ class StackedLoRA:
             panels it widens exactly, computing in float32 (half the bytes streamed per
             decoding step); where the kernel is not used, the model is cast to bf16 and runs
             torch's bf16 matmuls (as a bf16-loaded model would). Default float32.
+        q4_source: optional ``module name -> GGUF Q4_1 blocks | None`` of a base loaded from a
+            GGUF file (:func:`scpdr.kernels.q4.gguf_q4_source`): with float32 weights on the
+            packed kernel, where this machine runs the kernel faster on the blocks than on
+            float32 panels (:func:`scpdr.lora.gemm_choice.choose_q4`), each linear whose blocks
+            dequantize to its weight exactly streams them instead (the same results bit for
+            bit).
     """
 
     def __init__(
@@ -165,6 +171,7 @@ class StackedLoRA:
         use_kernel: bool = True,
         release_adapters: bool = False,
         weight_dtype: torch.dtype = torch.float32,
+        q4_source: Callable[[str], Tensor | None] | None = None,
     ) -> None:
         if weight_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
@@ -183,7 +190,7 @@ class StackedLoRA:
         self._mode = GroupMode()
         self._release = release_adapters
         self.weight_dtype = weight_dtype
-        self._wrap(groups, weight_source, use_kernel)
+        self._wrap(groups, weight_source, use_kernel, q4_source)
         self.views = [LoraGroupView(self, i, n) for i, n in enumerate(self.names)]
         #: The lean one-token step (:mod:`scpdr.runtime.decode_step`; bitwise the model's forward)
         #: used for decoding steps, or None: the model's own forward for every call. Plain
@@ -195,6 +202,7 @@ class StackedLoRA:
         groups: list[LoraAdapter | None],
         weight_source: Callable[[str], Tensor | None] | None,
         use_kernel: bool,
+        q4_source: Callable[[str], Tensor | None] | None = None,
     ) -> None:
         targets = sorted({name for g in groups if g is not None for name in g.modules})
         named = dict(self.model.named_modules())
@@ -245,6 +253,18 @@ class StackedLoRA:
             if packs:
                 gemm = choose_gemm(shapes, groups=self.num_groups, lora=self.num_lora)
         bf16 = self.weight_dtype == torch.bfloat16
+        if q4_source is not None and gemm is not None and not bf16:
+            q4_shapes = [  # the linears the GGUF file holds in Q4_1 blocks
+                (layer.in_features, layer.out_features, rank)
+                for name, layer, rank in plans + others
+                if packable(layer.weight) and q4_source(name) is not None
+            ]
+            if not q4_shapes or not choose_q4(
+                gemm, q4_shapes, groups=self.num_groups, lora=self.num_lora
+            ):
+                q4_source = None
+        else:
+            q4_source = None
         if bf16 and gemm is None:  # torch's bf16 matmuls, as a model loaded in bf16
             logger.info("bf16 weights without the packed kernel: the base runs in torch's bf16")
             to_bf16(self.model, weight_source)
@@ -275,12 +295,13 @@ class StackedLoRA:
                 weight_source, emb_name if tied and emb_name else name, layer, packed=packed
             )
             a, b = matrices.pop(name, (None, None))
+            q4 = q4_source(name) if q4_source is not None and packed else None
             wrapped = StackedLoraLinear(
                 layer, a, b, self._mode, source=source, gemm=gemm, lora_packed=packed,
-                weight_dtype=self.weight_dtype if packed else torch.float32,
+                weight_dtype=self.weight_dtype if packed else torch.float32, q4=q4,
             )  # fmt: skip
             self.model.set_submodule(name, wrapped)
-            if tied and wrapped.weight_packed is not None:
+            if tied and wrapped.weight_packed is not None and wrapped.weight_format != "q4_1":
                 tied_head = wrapped
         if tied_head is not None and type(emb) is nn.Embedding and emb.max_norm is None:
             # look the embeddings up in the packed head: the original is never paged in
