@@ -460,6 +460,30 @@ def test_the_gemm_choice_is_measured_logged_and_remembered(fresh, caplog):
         assert choose_gemm(shapes, groups=3, lora=2) is gemm.library()
 
 
+def test_the_q4_choice_is_measured_logged_and_remembered(fresh, caplog):
+    """choose_q4 times the kernel on q4 panels against float32 panels (the same values) at the
+    decode row counts, logs the speedups and the side taken once, remembers it; shapes without
+    a multiple of 32 inputs are never q4; a forced kernel takes q4, forced torch does not."""
+    from scpdr.lora import choose_q4
+
+    lib = gemm.library()
+    if lib is None or not lib.tiled:
+        pytest.skip("no packed GEMM build with a register tile here")
+    shapes = [(96, 96, 4), (64, 32, 0), (100, 40, 0)]
+    with caplog.at_level(logging.INFO, logger="scpdr.kernels"):
+        taken = choose_q4(lib, shapes, groups=3, lora=2)
+        assert choose_q4(lib, shapes, groups=3, lora=2) is taken  # remembered
+    lines = [r.getMessage() for r in caplog.records if "GGUF Q4_1" in r.getMessage()]
+    assert len(lines) == 1
+    assert "× at 3 rows" in lines[0] and "× at 24 rows" in lines[0]
+    assert lines[0].endswith("q4 blocks" if taken else "float32 panels")
+    assert choose_q4(lib, [(100, 40, 0)], groups=3, lora=2) is False  # nothing to stream as q4
+    with kernels.force("packed_gemm", "torch"):
+        assert choose_q4(lib, shapes, groups=3, lora=2) is False
+    with kernels.force("packed_gemm", "kernel"):
+        assert choose_q4(lib, shapes, groups=3, lora=2) is True
+
+
 # --------------------------------------------------------------------------------------------
 # CP-Fuse's statistics
 

@@ -53,7 +53,7 @@ from scpdr.lora.adapters import (
     read_lora_adapter,
     save_random_lora,
 )
-from scpdr.lora.gemm_choice import choose_gemm
+from scpdr.lora.gemm_choice import choose_gemm, choose_q4
 from scpdr.lora.layers import (
     CHUNK_IN_FEATURES,
     TRANSPOSED_MAX_ROWS,
@@ -84,6 +84,7 @@ __all__ = [
     "UnsupportedAdapterError",
     "checkpoint_weight_source",
     "choose_gemm",
+    "choose_q4",
     "fast_path_from_bundle",
     "new_stacked_cache",
     "pack_panels",

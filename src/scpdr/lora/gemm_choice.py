@@ -114,17 +114,25 @@ def _copies(
             for _ in range(copies) for s in shapes]  # fmt: skip
 
 
+def _at_decode_rows(
+    sides: dict[str, tuple[list[StackedLoraLinear], torch.dtype]], groups: int
+) -> list[tuple[str, float, float]]:
+    """``(what, first side's seconds, second side's)`` at the decode steps of batch 1 and 8."""
+    first, second = sides
+    out = []
+    for per in MEASURE_ROWS_PER_GROUP:
+        rows = groups * per
+        med = time_layers(sides, rows, repeats=5)
+        out.append((f"at {rows} rows", med[first], med[second]))
+    return out
+
+
 def _measure(
     gemm: GemmLibrary, shapes: list[tuple[int, int, int]], groups: int, lora: int
 ) -> list[tuple[str, float, float]]:
     sides = {side: (_copies(g, shapes, groups, lora), torch.float32)
              for side, g in (("kernel", gemm), ("torch", None))}  # fmt: skip
-    out = []
-    for per in MEASURE_ROWS_PER_GROUP:
-        rows = groups * per
-        med = time_layers(sides, rows, repeats=5)
-        out.append((f"at {rows} rows", med["kernel"], med["torch"]))
-    return out
+    return _at_decode_rows(sides, groups)
 
 
 def _measure_prefetch(
@@ -143,6 +151,28 @@ def _measure_prefetch(
     return [(f"at {rows} rows", med["on"], med["off"])]
 
 
+def _remembered(
+    gemm: GemmLibrary,
+    key: str,
+    measure: Callable[[], list[tuple[str, float, float]]],
+    *,
+    what: str,
+    states: tuple[str, str],
+    reason: str,
+) -> bool:
+    """The build's stored decision ``key`` (else ``measure()``-d and stored), logged as
+    ``<what> <speedups>: <states[0] if taken else states[1]>``."""
+
+    def describe(choice: kernels.Choice) -> str:
+        parts = [f"{ref / new:.2g}× {case}" for case, new, ref in choice.timings if new > 0]
+        state = states[0] if choice.use_kernel else states[1]
+        return f"{_TITLE} ({gemm.lib.label}): {what} {', '.join(parts)}: {state}"
+
+    return kernels.build.measured_choice(
+        kernels.build.choices_file(gemm.lib), key, measure, describe=describe, reason=reason
+    ).use_kernel
+
+
 def choose_prefetch(
     gemm: GemmLibrary, shapes: list[tuple[int, int, int]], *, groups: int, lora: int
 ) -> bool:
@@ -156,21 +186,16 @@ def choose_prefetch(
     if rows <= gemm.tile_rows:  # nothing to decide: the build's setting stays
         return gemm.prefetch
     key = f"prefetch-G{groups}-L{lora}-" + hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
-
-    def describe(choice: kernels.Choice) -> str:
-        parts = [f"{t / k:.2g}× {what}" for what, k, t in choice.timings if k > 0]
-        state = "on" if choice.use_kernel else "off"
-        return f"{_TITLE} ({gemm.lib.label}): next-panel prefetch {', '.join(parts)}: {state}"
-
-    choice = kernels.build.measured_choice(
-        kernels.build.choices_file(gemm.lib),
+    on = _remembered(
+        gemm,
         key,
         lambda: _measure_prefetch(gemm, shapes, groups, lora, rows),
-        describe=describe,
+        what="next-panel prefetch",
+        states=("on", "off"),
         reason="measured with and without",
     )
-    gemm.set_prefetch(choice.use_kernel)
-    return choice.use_kernel
+    gemm.set_prefetch(on)
+    return on
 
 
 def choose_gemm(
@@ -214,12 +239,7 @@ def _measure_q4(
 ) -> list[tuple[str, float, float]]:
     sides = {side: (_copies(gemm, shapes, groups, lora, q4=side == "q4"), torch.float32)
              for side in ("q4", "float32")}  # fmt: skip
-    out = []
-    for per in MEASURE_ROWS_PER_GROUP:
-        rows = groups * per
-        med = time_layers(sides, rows, repeats=5)
-        out.append((f"at {rows} rows", med["q4"], med["float32"]))
-    return out
+    return _at_decode_rows(sides, groups)
 
 
 def choose_q4(
@@ -238,17 +258,11 @@ def choose_q4(
     if side == "torch" or not distinct:
         return False
     key = f"q4-G{groups}-L{lora}-" + hashlib.sha256(repr(distinct).encode()).hexdigest()[:12]
-
-    def describe(choice: kernels.Choice) -> str:
-        parts = [f"{f / q:.2g}× {what}" for what, q, f in choice.timings if q > 0]
-        state = "q4 blocks" if choice.use_kernel else "float32 panels"
-        return f"{_TITLE} ({gemm.lib.label}): GGUF Q4_1 weights {', '.join(parts)}: {state}"
-
-    choice = kernels.build.measured_choice(
-        kernels.build.choices_file(gemm.lib),
+    return _remembered(
+        gemm,
         key,
         lambda: _measure_q4(gemm, distinct, groups, lora),
-        describe=describe,
+        what="GGUF Q4_1 weights",
+        states=("q4 blocks", "float32 panels"),
         reason="measured against float32 panels",
     )
-    return choice.use_kernel
