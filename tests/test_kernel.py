@@ -439,7 +439,8 @@ def test_the_gemm_choice_is_measured_logged_and_remembered(fresh, caplog):
     """choose_gemm first times the kernel with and without its next-panel prefetch at 8·G rows
     (two tiles or more per panel) and sets the faster on the build, then times the kernel
     against torch's layers on the model's shapes at the decode row counts (G and 8·G), keeps
-    the faster; each decision is logged once; a forced side is not measured."""
+    the faster; each decision is logged once; a forced side is not measured. Then the q4
+    choice on the same build."""
     from scpdr.lora import choose_gemm
 
     shapes = [(96, 96, 4), (96, 32, 4), (192, 96, 0)]
@@ -458,18 +459,21 @@ def test_the_gemm_choice_is_measured_logged_and_remembered(fresh, caplog):
         assert choose_gemm(shapes, groups=3, lora=2) is None
     with kernels.force("packed_gemm", "kernel"):
         assert choose_gemm(shapes, groups=3, lora=2) is gemm.library()
+    _check_the_q4_choice(caplog)
 
 
-def test_the_q4_choice_is_measured_logged_and_remembered(fresh, caplog):
-    """choose_q4 times the kernel on q4 panels against float32 panels (the same values) at the
-    decode row counts, logs the speedups and the side taken once, remembers it; shapes without
-    a multiple of 32 inputs are never q4; a forced kernel takes q4, forced torch does not."""
+def _check_the_q4_choice(caplog) -> None:
+    """choose_q4 (in the test above, sharing its fresh build) times the kernel on q4 panels
+    against float32 panels (the same values) at the decode row counts, logs the speedups and the
+    side taken once and remembers it; shapes without a multiple of 32 inputs are never q4; a
+    forced kernel takes q4, forced torch does not."""
     from scpdr.lora import choose_q4
 
     lib = gemm.library()
     if lib is None or not lib.tiled:
-        pytest.skip("no packed GEMM build with a register tile here")
+        return
     shapes = [(96, 96, 4), (64, 32, 0), (100, 40, 0)]
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="scpdr.kernels"):
         taken = choose_q4(lib, shapes, groups=3, lora=2)
         assert choose_q4(lib, shapes, groups=3, lora=2) is taken  # remembered
