@@ -66,15 +66,20 @@ def _scales(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return d, m, torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
+def _rebuild(q: Tensor, d: Tensor, m: Tensor) -> Tensor:
+    """The loader's float32 weights of quants ``q`` with scales ``d`` and minima ``m``
+    (broadcast): ``d·q`` rounded to float32, then ``+ m`` rounded (two torch ops, no fused
+    multiply-add) — what the kernel rebuilds."""
+    w = q.to(torch.float32) * d
+    return w + m
+
+
 def dequantize_blocks(blocks: Tensor) -> Tensor:
     """The float32 weights ``(n, k)`` of Q4_1 ``blocks`` ``(n, k / 32, 20)``, exactly as the GGUF
-    loader computes them: ``d·q`` rounded to float32, then ``+ m`` rounded (two torch ops, no
-    fused multiply-add)."""
+    loader computes them (:func:`_rebuild`)."""
     _check_blocks(blocks)
     d, m, q = _scales(blocks)
-    w = q.to(torch.float32) * d.unsqueeze(-1)
-    w = w + m.unsqueeze(-1)
-    return w.reshape(blocks.shape[0], -1)
+    return _rebuild(q, d.unsqueeze(-1), m.unsqueeze(-1)).reshape(blocks.shape[0], -1)
 
 
 def q4_exact(blocks: Tensor, w: Tensor) -> bool:
@@ -125,9 +130,7 @@ def q4_panel_floats(packed: Tensor) -> Tensor:
     m = packed[..., 4 * width : 8 * width].contiguous().view(torch.float32)
     pairs = packed[..., 8 * width :].reshape(p, nb, 16, 1, width)
     q = torch.cat([pairs & 15, pairs >> 4], dim=3).reshape(p, nb, BLOCK, width)
-    w = q.to(torch.float32) * d.unsqueeze(2)
-    w = w + m.unsqueeze(2)
-    return w.reshape(p, nb * BLOCK, width)
+    return _rebuild(q, d.unsqueeze(2), m.unsqueeze(2)).reshape(p, nb * BLOCK, width)
 
 
 def unpack_q4_panels(packed: Tensor, n: int) -> Tensor:

@@ -253,18 +253,16 @@ class StackedLoRA:
             if packs:
                 gemm = choose_gemm(shapes, groups=self.num_groups, lora=self.num_lora)
         bf16 = self.weight_dtype == torch.bfloat16
+        q4: dict[str, Tensor] = {}  # the linears' GGUF Q4_1 blocks, each read once
         if q4_source is not None and gemm is not None and not bf16:
-            q4_shapes = [  # the linears the GGUF file holds in Q4_1 blocks
-                (layer.in_features, layer.out_features, rank)
-                for name, layer, rank in plans + others
-                if packable(layer.weight) and q4_source(name) is not None
-            ]
-            if not q4_shapes or not choose_q4(
-                gemm, q4_shapes, groups=self.num_groups, lora=self.num_lora
-            ):
-                q4_source = None
-        else:
-            q4_source = None
+            for name, layer, _ in plans + others:
+                blocks = q4_source(name) if packable(layer.weight) else None
+                if blocks is not None:
+                    q4[name] = blocks
+            q4_shapes = [(layer.in_features, layer.out_features, rank)
+                         for name, layer, rank in plans + others if name in q4]  # fmt: skip
+            if q4 and not choose_q4(gemm, q4_shapes, groups=self.num_groups, lora=self.num_lora):
+                q4 = {}
         if bf16 and gemm is None:  # torch's bf16 matmuls, as a model loaded in bf16
             logger.info("bf16 weights without the packed kernel: the base runs in torch's bf16")
             to_bf16(self.model, weight_source)
@@ -295,10 +293,9 @@ class StackedLoRA:
                 weight_source, emb_name if tied and emb_name else name, layer, packed=packed
             )
             a, b = matrices.pop(name, (None, None))
-            q4 = q4_source(name) if q4_source is not None and packed else None
             wrapped = StackedLoraLinear(
                 layer, a, b, self._mode, source=source, gemm=gemm, lora_packed=packed,
-                weight_dtype=self.weight_dtype if packed else torch.float32, q4=q4,
+                weight_dtype=self.weight_dtype if packed else torch.float32, q4=q4.pop(name, None),
             )  # fmt: skip
             self.model.set_submodule(name, wrapped)
             if tied and wrapped.weight_packed is not None and wrapped.weight_format != "q4_1":
