@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from scpdr.kernels import build
-from scpdr.kernels.q4 import is_q4_panels, unpack_q4_panels
+from scpdr.kernels.q4 import is_q4_panels, q4_panel_floats, unpack_q4_panels
 
 __all__ = [
     "NAME",
@@ -41,7 +41,9 @@ __all__ = [
     "linear_call",
     "lora_linear",
     "lora_linear_reference",
+    "lora_linear_torch",
     "pack_panels",
+    "panel_floats",
     "unpack_panels",
 ]
 
@@ -322,9 +324,65 @@ def lora_linear_reference(
     panels are widened to ``x``'s dtype (exactly, for float32)."""
     k = x.shape[-1]
     y = x @ unpack_panels(weight, n, k).to(x.dtype).t()
+    return _add_deltas(y, x, n, groups=groups, lora_a=lora_a, lora_b=lora_b, first=first,
+                       lora=lora, rank=rank)  # fmt: skip
+
+
+def panel_floats(weight: Tensor, k: int) -> Tensor:
+    """Float32, bf16 or q4 panels as float32 panels ``(p, k, width)`` (float32 ones as they
+    are; the others widened exactly, as the kernel's tiles see them)."""
+    if is_q4_panels(weight):
+        return q4_panel_floats(weight)
+    if weight.dim() == 4:  # bf16: (p, ceil(k / 2), width, 2)
+        p, half, width, _ = weight.shape
+        return weight.transpose(2, 3).reshape(p, 2 * half, width)[:, :k].to(torch.float32)
+    return weight
+
+
+def lora_linear_torch(
+    x: Tensor,
+    weight: Tensor,
+    n: int,
+    *,
+    groups: int,
+    lora_a: Tensor | None = None,
+    lora_b: Tensor | None = None,
+    first: int = 0,
+    lora: int = 0,
+    rank: int = 0,
+) -> Tensor:
+    """:func:`lora_linear` with torch's matmuls on the packed layout, for calls of many rows
+    (prefill, teacher-forced scoring), where torch's sgemm beats the register tiles on some
+    machines (measured: :func:`scpdr.lora.gemm_choice.choose_torch_rows`): ``x`` ``(G·R, k)``
+    float32 times each panel in one batched matmul (bf16 and q4 panels widened first, exactly),
+    then the deltas as :func:`lora_linear_reference` adds them. It differs from the kernel's
+    result only in the order of the float additions."""
+    rows, k = x.shape
+    y = torch.matmul(x, panel_floats(weight, k))  # (p, rows, width)
+    y = y.permute(1, 0, 2).reshape(rows, -1)
+    y = y[:, :n].contiguous() if y.shape[1] != n else y
+    return _add_deltas(y, x, n, groups=groups, lora_a=lora_a, lora_b=lora_b, first=first,
+                       lora=lora, rank=rank)  # fmt: skip
+
+
+def _add_deltas(
+    y: Tensor,
+    x: Tensor,
+    n: int,
+    *,
+    groups: int,
+    lora_a: Tensor | None,
+    lora_b: Tensor | None,
+    first: int,
+    lora: int,
+    rank: int,
+) -> Tensor:
+    """``y`` (the base matmul of ``x``'s G groups of rows) plus the first ``lora`` groups'
+    deltas ``(x_j·A_{first+j}ᵀ)·(s·B_{first+j})ᵀ`` from their packed matrices."""
     if not lora:
         return y
     assert lora_a is not None and lora_b is not None
+    k = x.shape[-1]
     ys = list(y.view(groups, -1, n).unbind(0))
     xs = x.view(groups, -1, k)
     for j in range(lora):

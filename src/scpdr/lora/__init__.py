@@ -53,7 +53,7 @@ from scpdr.lora.adapters import (
     read_lora_adapter,
     save_random_lora,
 )
-from scpdr.lora.gemm_choice import choose_gemm, choose_q4
+from scpdr.lora.gemm_choice import choose_gemm, choose_q4, choose_torch_rows
 from scpdr.lora.layers import (
     CHUNK_IN_FEATURES,
     TRANSPOSED_MAX_ROWS,
@@ -66,6 +66,7 @@ from scpdr.lora.loading import (
     CheckpointWeights,
     checkpoint_weight_source,
     fast_path_from_bundle,
+    pack_full_model,
     stacked_from_bundle,
 )
 from scpdr.lora.runner import LoraGroupView, StackedLoRA, new_stacked_cache
@@ -85,8 +86,10 @@ __all__ = [
     "checkpoint_weight_source",
     "choose_gemm",
     "choose_q4",
+    "choose_torch_rows",
     "fast_path_from_bundle",
     "new_stacked_cache",
+    "pack_full_model",
     "pack_panels",
     "read_lora_adapter",
     "save_random_lora",

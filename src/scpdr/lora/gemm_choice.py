@@ -19,11 +19,13 @@ from scpdr.kernels.q4 import dequantize_blocks
 from scpdr.lora.layers import GroupMode, StackedLoraLinear
 
 __all__ = [
+    "MANY_ROWS",
     "MEASURE_ROWS_PER_GROUP",
     "MEASURE_WEIGHT_BYTES",
     "choose_gemm",
     "choose_prefetch",
     "choose_q4",
+    "choose_torch_rows",
     "synthetic_layer",
     "time_layers",
 ]
@@ -34,6 +36,9 @@ __all__ = [
 MEASURE_WEIGHT_BYTES = 32 << 20
 #: Rows per group the measurement times: decode steps of batch 1 and 8.
 MEASURE_ROWS_PER_GROUP = (1, 8)
+#: Row counts of a call (all groups) at which :func:`choose_torch_rows` times the kernel against
+#: torch's matmuls on the same panels (prefill and teacher-forced scoring), largest first.
+MANY_ROWS = (256, 64)
 _TITLE = "packed GEMM"
 
 
@@ -46,12 +51,14 @@ def synthetic_layer(
     dtype: torch.dtype = torch.float32,
     weight_dtype: torch.dtype = torch.float32,
     q4: bool = False,
+    keep_original: bool = False,
 ) -> StackedLoraLinear:
     """A :class:`StackedLoraLinear` of ``(in, out, rank)`` with ``lora`` adapters and constant
     weights (their values do not change the speed), seeing ``groups`` stacked groups: packed
     for ``gemm`` (base panels in ``weight_dtype``) or on torch's layout in ``dtype``. What the
     kernel/torch, decoding-precision and q4 measurements time. ``q4`` (``in`` a multiple of 32):
-    the weight is that of constant Q4_1 blocks, packed as q4 panels."""
+    the weight is that of constant Q4_1 blocks, packed as q4 panels; ``keep_original``: the
+    packed layer keeps the ``nn.Linear`` too (:class:`StackedLoraLinear`)."""
     n_in, n_out, rank = shape
     layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, dtype=dtype)
     layer.weight.requires_grad_(False).fill_(0.01)
@@ -67,7 +74,10 @@ def synthetic_layer(
         b = torch.full((lora, rank, n_out), 0.01, dtype=dtype)
     mode = GroupMode()
     mode.stacked = groups
-    return StackedLoraLinear(layer, a, b, mode, gemm=gemm, weight_dtype=weight_dtype, q4=blocks)
+    return StackedLoraLinear(
+        layer, a, b, mode, gemm=gemm, weight_dtype=weight_dtype, q4=blocks,
+        keep_original=keep_original,
+    )  # fmt: skip
 
 
 def time_layers(
@@ -105,12 +115,15 @@ def _copies(
     lora: int,
     *,
     q4: bool = False,
+    weight_dtype: torch.dtype = torch.float32,
+    keep_original: bool = False,
 ) -> list[StackedLoraLinear]:
     """Synthetic layers of ``shapes``, copied up to :data:`MEASURE_WEIGHT_BYTES` of float32
-    weights (the same number of copies with ``q4``)."""
+    weights (the same number of copies with ``q4`` or bf16 ``weight_dtype``)."""
     per_copy = sum(i * o * 4 for i, o, _ in shapes)
     copies = max(1, min(MEASURE_WEIGHT_BYTES // max(1, per_copy), 128 // len(shapes)))
-    return [synthetic_layer(s, lora, gemm, groups=groups, q4=q4)
+    return [synthetic_layer(s, lora, gemm, groups=groups, q4=q4, weight_dtype=weight_dtype,
+                            keep_original=keep_original)
             for _ in range(copies) for s in shapes]  # fmt: skip
 
 
@@ -159,6 +172,7 @@ def _remembered(
     what: str,
     states: tuple[str, str],
     reason: str,
+    min_speedup: float = 1.0,
 ) -> bool:
     """The build's stored decision ``key`` (else ``measure()``-d and stored), logged as
     ``<what> <speedups>: <states[0] if taken else states[1]>``."""
@@ -169,8 +183,9 @@ def _remembered(
         return f"{_TITLE} ({gemm.lib.label}): {what} {', '.join(parts)}: {state}"
 
     return kernels.build.measured_choice(
-        kernels.build.choices_file(gemm.lib), key, measure, describe=describe, reason=reason
-    ).use_kernel
+        kernels.build.choices_file(gemm.lib), key, measure, describe=describe, reason=reason,
+        min_speedup=min_speedup,
+    ).use_kernel  # fmt: skip
 
 
 def choose_prefetch(
@@ -266,3 +281,80 @@ def choose_q4(
         states=("q4 blocks", "float32 panels"),
         reason="measured against float32 panels",
     )
+
+
+def _measure_many_rows(
+    gemm: GemmLibrary,
+    shapes: list[tuple[int, int, int]],
+    groups: int,
+    lora: int,
+    rows: int,
+    weight_format: str,
+    keep_original: bool,
+) -> list[tuple[str, float, float]]:
+    layers = _copies(
+        gemm, shapes, groups, lora, q4=weight_format == "q4_1",
+        weight_dtype=torch.bfloat16 if weight_format == "bf16" else torch.float32,
+        keep_original=keep_original,
+    )  # fmt: skip
+
+    def side(name: str) -> None:
+        for lin in layers:
+            lin.torch_rows = 1 if name == "torch" else None
+
+    med = time_layers(
+        {"torch": (layers, torch.float32), "kernel": (layers, torch.float32)},
+        rows,
+        repeats=5,
+        before=side,
+    )
+    return [(f"at {rows} rows", med["torch"], med["kernel"])]
+
+
+def choose_torch_rows(
+    gemm: GemmLibrary,
+    shapes: Sequence[tuple[int, int, int]],
+    *,
+    groups: int,
+    lora: int,
+    weight_format: str = "float32",
+    keep_original: bool = False,
+) -> int | None:
+    """From how many rows a call of the stack's linears on ``gemm`` (panels of
+    ``weight_format``: "float32", "bf16" or "q4_1") runs torch's matmuls on the panels instead
+    (:func:`scpdr.kernels.gemm.lora_linear_torch`; with ``keep_original``, the layers' kept
+    ``nn.Linear``), or None: the kernel at every size. Decoding
+    steps have few rows, where the register tiles win; a prefill or a teacher-forced score has
+    hundreds, where torch's sgemm (MKL) can be faster (measured on an Intel Xeon, Cascade Lake,
+    the model's linears at 256 rows: the AVX2 build 0.56x torch, the AVX-512 one 0.93x). Timed
+    at :data:`MANY_ROWS` (the same layers both ways, in the same moment), largest first: torch
+    from the smallest count where it was at least 1.1x faster (a tie keeps the kernel; with
+    ``keep_original``, where the kernel was not faster: the plain layer's own result), and at
+    every larger one. Forced like the
+    kernel (``SCPDR_GEMM_KERNEL=1``: None). The decisions are logged once and remembered."""
+    if kernels.policy(kernels.gemm.NAME) == "kernel" or not shapes:
+        return None
+    small = sorted({s for s in shapes if s[0] * s[1] * 8 <= MEASURE_WEIGHT_BYTES})
+    distinct = small or [min(shapes, key=lambda s: s[0] * s[1])]
+    digest = hashlib.sha256(repr(distinct).encode()).hexdigest()[:12]
+    found = None
+    for many in MANY_ROWS:
+        rows = -(-many // groups) * groups  # whole groups
+        if rows <= groups * MEASURE_ROWS_PER_GROUP[-1]:  # a decoding step's size: the kernel's
+            break
+        side = "the original weights" if keep_original else f"{weight_format} panels"
+        torch_faster = _remembered(
+            gemm,
+            f"torch-rows{rows}-{weight_format}{'-kept' * keep_original}-G{groups}-L{lora}-{digest}",
+            lambda r=rows: _measure_many_rows(
+                gemm, distinct, groups, lora, r, weight_format, keep_original
+            ),
+            what=f"torch's matmuls on {side}",
+            states=("torch", "kernel"),
+            reason="measured against the kernel",
+            min_speedup=1.0 if keep_original else 1.1,  # the original: torch unless slower
+        )
+        if not torch_faster:
+            break
+        found = rows
+    return found

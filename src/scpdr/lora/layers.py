@@ -31,6 +31,7 @@ from scpdr.kernels.gemm import (
     LinearCall,
     linear_call,
     lora_linear_reference,
+    lora_linear_torch,
     pack_panels,
     unpack_panels,
 )
@@ -191,7 +192,10 @@ class StackedLoraLinear(nn.Module):
     in / 32, 20)`` (:class:`scpdr.kernels.q4.Q4Source`): with ``gemm`` and float32 panels, where
     they dequantize to the weight exactly, the panels are q4 ones (``weight_packed`` uint8; the
     kernel rebuilds the same float32 values: bit for bit the float32 layer, from ~3/16 of the
-    bytes); otherwise they are ignored (:attr:`weight_format` says which).
+    bytes); otherwise they are ignored (:attr:`weight_format` says which). ``keep_original``
+    (a layer without adapters only): the packed layer keeps ``base_layer`` too, and the calls
+    that :attr:`torch_rows` hands to torch run it, bit for bit the plain layer (a full model of
+    the general path, :func:`scpdr.lora.pack_full_model`: its prefill and scoring unchanged).
     """
 
     def __init__(
@@ -206,8 +210,11 @@ class StackedLoraLinear(nn.Module):
         lora_packed: bool = False,
         weight_dtype: torch.dtype = torch.float32,
         q4: Tensor | None = None,
+        keep_original: bool = False,
     ) -> None:
         super().__init__()
+        if keep_original and a is not None:
+            raise ValueError("keep_original is for a layer without adapters (a plain model's)")
         self._in, self._out = base_layer.in_features, base_layer.out_features
         w = base_layer.weight
         packs = gemm is not None and packable(w)
@@ -223,6 +230,11 @@ class StackedLoraLinear(nn.Module):
         self.rank = 0 if b is None else int(b.shape[-2])  # b: (L, r, out) or (L, ., r, w)
         self.num_lora = 0 if a is None else int(a.shape[0])
         self._mode = mode
+        #: Calls of at least this many rows run torch's matmuls instead of the kernel: on the
+        #: kept original, else on the panels (:func:`scpdr.kernels.gemm.lora_linear_torch`);
+        #: prefill and scoring, where torch's sgemm is faster on some machines. Set from
+        #: :func:`scpdr.lora.gemm_choice.choose_torch_rows`; None: the kernel at every size.
+        self.torch_rows: int | None = None
         # kernels.gemm.LinearCall per (group mode, input shape, weight dtype): see _packed_forward
         self._calls: dict[tuple, LinearCall] = {}
         c = in_chunks(self._in) if packable(w) else 1  # float32 on CPU only (_base_forward)
@@ -240,7 +252,8 @@ class StackedLoraLinear(nn.Module):
         elif c > 1:  # (c, out, in/c) chunks
             chunks = src.view(self._out, c, self._in // c).permute(1, 0, 2).contiguous()
         relaid = packed is not None or chunks is not None
-        self.base_layer = None if relaid else base_layer  # a re-laid-out original is dropped
+        # a re-laid-out original is dropped, unless kept for the calls of many rows
+        self.base_layer = base_layer if not relaid or keep_original else None
         bias = None if not relaid or base_layer.bias is None else base_layer.bias.detach()
         for name, t in (
             ("weight_packed", packed),
@@ -371,6 +384,16 @@ class StackedLoraLinear(nn.Module):
         ):
             return self.reference_forward(x)
         mode = self._mode
+        many = self.torch_rows
+        if many is not None and x.numel() >= many * self._in:  # many rows: torch's sgemm
+            original = self.base_layer
+            if original is not None:  # kept (keep_original): the plain layer's own result
+                return original(x)
+            x2, kw = self._packed_args(x)
+            y = lora_linear_torch(x2, w, self._out, **kw)
+            if buffers["bias"] is not None:
+                y = y + buffers["bias"]
+            return y.view(*x.shape[:-1], self._out)
         key = (mode.stacked, mode.single, x.shape, w.dtype)
         call = self._calls.get(key)
         if call is None:

@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointWeights",
     "checkpoint_weight_source",
     "fast_path_from_bundle",
+    "pack_full_model",
     "stacked_from_bundle",
 ]
 
@@ -207,3 +208,62 @@ def fast_path_from_bundle(
     )
     logger.info("LoRA fast path on for bundle %s: %s", path, why)
     return stack, why
+
+
+def pack_full_model(
+    ref: str, model: Any, *, q4_source: Callable[[str], Tensor | None] | None = None
+) -> bool:
+    """Decode a full model of the general path (one forward per model) from its GGUF Q4_1 blocks
+    where it was loaded from a GGUF file (the embedded base, or a ``.gguf`` ref): in place, each
+    float32 CPU ``nn.Linear`` whose blocks dequantize to its weight exactly becomes a
+    :class:`~scpdr.lora.StackedLoraLinear` of one group without adapters on q4 panels that keeps
+    the original too (``keep_original``). Decoding steps run the packed kernel on the blocks,
+    bit for bit the float32 kernel on the same weights (~3/16 of the bytes streamed); calls of
+    many rows (prefill, scoring) run the original ``nn.Linear`` where torch is faster
+    (:func:`scpdr.lora.gemm_choice.choose_torch_rows`), so those are the plain model's. Used
+    only where this machine measured the kernel faster than torch and the blocks faster than
+    float32 panels at the decode steps of batch 1 and 8 (:func:`~scpdr.lora.choose_gemm`,
+    :func:`~scpdr.lora.choose_q4`). The original weights stay (memory-mapped from the
+    checkpoint): the blocks add ~1/5 of them. ``q4_source``: ``module name -> Q4_1 blocks |
+    None`` (:func:`scpdr.kernels.q4.gguf_q4_source`; default: ``ref``'s GGUF file, if any).
+    Returns whether any linear was packed; False, the model untouched, on a GPU, with bf16
+    weights, for a model with no GGUF file, without a kernel build, where not faster, or with
+    ``SCPDR_GEMM_KERNEL=0``."""
+    from torch import nn
+
+    from scpdr.kernels.q4 import q4_exact
+    from scpdr.lora.gemm_choice import choose_gemm, choose_q4, choose_torch_rows
+    from scpdr.lora.layers import GroupMode, StackedLoraLinear, packable
+
+    source = q4_source or _q4_source(_canonical(ref), model)
+    if source is None:
+        return False
+    blocks = {}
+    for name, mod in model.named_modules():
+        if type(mod) is nn.Linear and packable(mod.weight) and mod.in_features % 32 == 0:
+            found = source(name)
+            if found is not None and q4_exact(found, mod.weight):  # not a fine-tune's weight
+                blocks[name] = found
+    shapes = [(model.get_submodule(n).in_features, model.get_submodule(n).out_features, 0)
+              for n in blocks]  # fmt: skip
+    gemm = choose_gemm(shapes, groups=1, lora=0) if shapes else None  # the kernel, where faster
+    if gemm is None or not choose_q4(gemm, shapes, groups=1, lora=0):
+        return False
+    mode = GroupMode()  # never stacked: the plain model
+    packed = []
+    for name, q4 in blocks.items():
+        layer = model.get_submodule(name)
+        wrapped = StackedLoraLinear(layer, None, None, mode, gemm=gemm, q4=q4, keep_original=True)
+        model.set_submodule(name, wrapped)
+        packed.append(wrapped)
+    many = choose_torch_rows(
+        gemm, sorted(set(shapes)), groups=1, lora=0, weight_format="q4_1", keep_original=True
+    )
+    for lin in packed:
+        lin.torch_rows = many
+    logger.info(
+        "%s decodes %d of its linears from their GGUF Q4_1 blocks on the packed kernel (%s)",
+        ref, len(packed), "the kernel at every size" if many is None
+        else f"torch's matmuls from {many} rows",
+    )  # fmt: skip
+    return True

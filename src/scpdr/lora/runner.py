@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from scpdr.kernels.gemm import GemmLibrary, pack_panels
 from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError
-from scpdr.lora.gemm_choice import choose_gemm, choose_q4
+from scpdr.lora.gemm_choice import choose_gemm, choose_q4, choose_torch_rows
 from scpdr.lora.layers import (
     GroupMode,
     PackedEmbedding,
@@ -284,6 +284,7 @@ class StackedLoRA:
         # head: vocab x hidden) comes before the packed weights pile up
         order = [n for n, _, _ in sorted(plans + others, key=lambda p: -p[1].weight.numel())]
         del named, plans, others  # each original layer is freed as soon as it is replaced
+        packed_layers: dict[str, list[StackedLoraLinear]] = {}  # by weight format
         for name in order:
             layer = self.model.get_submodule(name)
             packed = _width(gemm, layer) is not None
@@ -298,8 +299,17 @@ class StackedLoRA:
                 weight_dtype=self.weight_dtype if packed else torch.float32, q4=q4.pop(name, None),
             )  # fmt: skip
             self.model.set_submodule(name, wrapped)
+            if wrapped.weight_packed is not None:
+                packed_layers.setdefault(wrapped.weight_format, []).append(wrapped)
             if tied and wrapped.weight_packed is not None and wrapped.weight_format != "q4_1":
                 tied_head = wrapped
+        for fmt, layers in packed_layers.items():  # many rows: torch's sgemm where faster
+            fmt_shapes = [(lin.in_features, lin.out_features, lin.rank) for lin in layers]
+            many = choose_torch_rows(
+                gemm, fmt_shapes, groups=self.num_groups, lora=self.num_lora, weight_format=fmt
+            )  # type: ignore[arg-type]
+            for lin in layers:
+                lin.torch_rows = many
         if tied_head is not None and type(emb) is nn.Embedding and emb.max_norm is None:
             # look the embeddings up in the packed head: the original is never paged in
             self.model.set_input_embeddings(PackedEmbedding(tied_head, emb))

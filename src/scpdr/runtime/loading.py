@@ -73,7 +73,7 @@ def load_bundle_parts(
     :meth:`scpdr.runtime.ProtectedLM.from_bundle` for the arguments and errors)."""
     from scpdr import models as M
     from scpdr.device import model_dtype, resolve_device
-    from scpdr.lora import fast_path_from_bundle
+    from scpdr.lora import fast_path_from_bundle, pack_full_model
 
     if base not in ("model", "constant"):
         raise ValueError(f"base must be 'model' or 'constant', got {base!r}")
@@ -96,10 +96,16 @@ def load_bundle_parts(
     stacked, reason = fast_path_from_bundle(
         path, manifest, method=method, base=base, dtype=dtype, device=dev
     )
+
+    def load_full(ref: str) -> Any:  # general path: a GGUF model decodes from its Q4_1 blocks
+        model = M.load_model(manifest.resolve(path, ref), dtype=dtype).to(dev)
+        pack_full_model(manifest.resolve(path, ref), model)
+        return model
+
     if stacked is not None:
         constituents = list(stacked.models[: len(refs)])
     else:
-        constituents = [M.load_model(manifest.resolve(path, r), dtype=dtype).to(dev) for r in refs]
+        constituents = [load_full(r) for r in refs]
     base_model = base_vector = None
     if method in methods.SMOOTHED_RULES:
         if base == "constant":
@@ -119,9 +125,7 @@ def load_bundle_parts(
             if stacked is not None:
                 base_model = stacked.models[-1]
             else:
-                base_model = M.load_model(manifest.resolve(path, manifest.base), dtype=dtype).to(
-                    dev
-                )
+                base_model = load_full(manifest.base)
     return BundleParts(
         constituents=constituents,
         tokenizer=tok,
