@@ -1,8 +1,12 @@
 """Throughput of ProtectedLM relative to a single model, on the embedded SmolLM2-135M.
 
 Two "fine-tuned" constituents are copies of the base with perturbed weights (full fine-tune
-size; the weights' values do not matter for timing). Measured round-robin in one run, so that
-every configuration sees the same machine load:
+size; the weights' values do not matter for timing), loaded as ``ProtectedLM.from_bundle``
+loads a bundle of full models (the general path): the base, the embedded GGUF's, decodes from
+its Q4_1 blocks on the packed kernel where this machine measured that faster
+(``scpdr.lora.pack_full_model``; ``base_q4`` in the JSON line says whether), the fine-tunes on
+torch's matmuls. Measured round-robin in one run, so that every configuration sees the same
+machine load:
 
 - greedy decoding tokens/s of each method (``ProtectedLM.generate``, no early stop) divided by
   HF ``generate`` tokens/s of one model, same prompts, B in {1, 8};
@@ -13,9 +17,11 @@ every configuration sees the same machine load:
   what CPU users run instead: the same GGUF file (the embedded model, 4-bit Q4_1) decoded
   greedily by llama.cpp with the same threads and prompt at B = 1, in the same rounds
   (``llama_cpp``: its ms per token and tokens/s, and each method's tokens/s over it; not a
-  goal: llama.cpp runs the quantized weights, scpdr the float32 ones).
+  goal: llama.cpp computes on the quantized weights, where scpdr's constituents are float32
+  and its base rebuilds the float32 values from the same blocks).
 
-Goals: scp-delta-r-b >= 0.30 (the memory-bound limit with three forwards is 1/3),
+Goals: scp-delta-r-b >= 0.30 (the memory-bound limit with three float32 forwards is 1/3; a base
+streaming its Q4_1 blocks lifts it),
 scp-delta-r-c >= 0.45, cp-fuse >= 0.28, score >= 0.30.
 
     python benchmarks/bench_generate.py [--quick] [--threads N]

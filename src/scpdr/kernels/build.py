@@ -459,7 +459,12 @@ def remembered(lib: Library, shape: str, choice: Choice, *, title: str) -> Choic
 
 def decisions() -> dict[str, dict[str, object]]:
     """This process's kernel/torch decisions, for reports: ``{"<kernel> (<isa>, <target>
-    build) <shape class>": {"use_kernel": bool, "speedups": {what: torch/kernel time}}}``."""
+    build) <shape class>": {"use_kernel": bool, "speedups": {what: torch/kernel time}}}``.
+    ``use_kernel`` is whether the measured candidate was taken: the kernel over torch, except
+    for the packed GEMM's shape classes that name another candidate (``prefetch-...``: the
+    next-panel prefetch on; ``q4-...``: GGUF Q4_1 blocks over float32 panels;
+    ``torch-rows<N>-...``: torch's matmuls over the kernel from N rows), whose ``speedups``
+    are then reference time over the candidate's."""
     with _STATE.lock:
         items = list(_STATE.choices.items())
     libs = {str(choices_file(lib)): lib for lib in _STATE.libraries.values() if lib is not None}

@@ -304,10 +304,11 @@ class StackedLoRA:
             if tied and wrapped.weight_packed is not None and wrapped.weight_format != "q4_1":
                 tied_head = wrapped
         for fmt, layers in packed_layers.items():  # many rows: torch's sgemm where faster
+            assert gemm is not None  # packed layers
             fmt_shapes = [(lin.in_features, lin.out_features, lin.rank) for lin in layers]
             many = choose_torch_rows(
                 gemm, fmt_shapes, groups=self.num_groups, lora=self.num_lora, weight_format=fmt
-            )  # type: ignore[arg-type]
+            )
             for lin in layers:
                 lin.torch_rows = many
         if tied_head is not None and type(emb) is nn.Embedding and emb.max_norm is None:
