@@ -4,8 +4,9 @@ On the embedded SmolLM2-135M, two random rank-64 LoRA adapters (α 32, paper App
 projection module (q, k, v, o, gate, up, down; non-zero B so the deltas matter) are bundled
 with the base; ``ProtectedLM.from_bundle`` detects them and runs base + 2 adapters as one
 stacked batch. The base is the embedded GGUF's, so each build's stack streams its projections'
-Q4_1 blocks where that build measured them faster than float32 panels (``choose_q4``; the same
-results bit for bit, docs/lora_fast_path.md): its ``q4-...`` entry in ``isa.<build>.decisions``
+Q4_1 blocks where that build measured them paying against float32 panels (``choose_q4``: their
+speedups at batch 1 and 8 multiply to more than 1, no slower than torch; the same results bit
+for bit, docs/lora_fast_path.md): its ``q4-...`` entry in ``isa.<build>.decisions``
 says which it runs. Measured round-robin in one run (the CPU is shared):
 
 - greedy decode tokens/s of SCP-Δr-b (``ProtectedLM.generate``, no early stop) divided by HF

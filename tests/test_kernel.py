@@ -480,12 +480,34 @@ def _check_the_q4_choice(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if "GGUF Q4_1" in r.getMessage()]
     assert len(lines) == 1
     assert "× at 3 rows" in lines[0] and "× at 24 rows" in lines[0]
+    assert "× at 3 rows vs torch" in lines[0] and "× at 24 rows vs torch" in lines[0]
     assert lines[0].endswith("q4 blocks" if taken else "float32 panels")
     assert choose_q4(lib, [(100, 40, 0)], groups=3, lora=2) is False  # nothing to stream as q4
     with kernels.force("packed_gemm", "torch"):
         assert choose_q4(lib, shapes, groups=3, lora=2) is False
     with kernels.force("packed_gemm", "kernel"):
         assert choose_q4(lib, shapes, groups=3, lora=2) is True
+
+
+@pytest.mark.parametrize(
+    ("vs_float32", "vs_torch", "taken"),
+    [
+        ((1.5, 0.94), (1.3, 1.3), True),  # the x86-64-v3 build on a Cascade Lake Xeon
+        ((1.3, 0.63), (1.3, 1.1), False),  # the gain does not pay for the loss
+        ((2.0, 0.9), (1.5, 0.95), False),  # slower than torch at batch 8
+        ((1.1, 1.1), (1.0, 1.0), True),  # faster at both; as fast as torch
+        ((1.0, 1.0), (2.0, 2.0), False),  # no gain: float32 panels
+    ],
+)
+def test_q4_blocks_pay_where_the_gain_outweighs_the_loss(vs_float32, vs_torch, taken):
+    """choose_q4's rule on its timings ``(case, q4 s, reference s)``: the speedups over float32
+    panels at the decode steps of batch 1 and 8 multiply to more than 1, and q4 is no slower
+    than torch at either (speedup = reference / q4)."""
+    from scpdr.lora.gemm_choice import q4_pays
+
+    cases = [(f"at {r} rows", 1.0, s) for r, s in zip((3, 24), vs_float32, strict=True)]
+    cases += [(f"at {r} rows vs torch", 1.0, s) for r, s in zip((3, 24), vs_torch, strict=True)]
+    assert q4_pays(cases) is taken
 
 
 # --------------------------------------------------------------------------------------------

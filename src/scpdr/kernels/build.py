@@ -390,13 +390,14 @@ def measured_choice(
     describe: Callable[[Choice], str],
     min_speedup: float = 1.0,
     reason: str = "measured",
+    decide: Callable[[Sequence[tuple[str, float, float]]], bool] | None = None,
 ) -> Choice:
     """Measure, then choose, once per machine: the decision stored under ``key`` in the JSON
     file ``path`` (this process's, else the file's), else ``measure()``-d — ``(what, candidate
     seconds, reference seconds)`` per case, timed in the same moment — with the candidate (a
     kernel, a precision, ...) kept only if it is at least ``min_speedup`` times faster in every
-    case. A new decision is stored in ``path``; each is logged once at INFO as
-    ``describe(choice)``. The one mechanism behind :func:`choose` and
+    case (or where ``decide(timings)`` says, for another rule). A new decision is stored in
+    ``path``; each is logged once at INFO as ``describe(choice)``. The one mechanism behind :func:`choose` and
     :func:`scpdr.training.precision.resolve_precision`."""
     memo = (str(path), key)
     found = _STATE.choices.get(memo)
@@ -413,7 +414,12 @@ def measured_choice(
         else:
             timings = tuple((str(w), float(k), float(t)) for w, k, t in measure())
             # at least min_speedup: t / k >= min_speedup, as decide_precision compares it
-            faster = bool(timings) and all(k > 0 and t / k >= min_speedup for _, k, t in timings)
+            if decide is not None:
+                faster = bool(timings) and all(k > 0 for _, k, _ in timings) and decide(timings)
+            else:
+                faster = bool(timings) and all(
+                    k > 0 and t / k >= min_speedup for _, k, t in timings
+                )
             choice = Choice(faster, reason, timings)
             stored = False
         logger.info("%s%s", describe(choice), " (stored decision)" if stored else "")
