@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -174,13 +175,20 @@ def unpack_panels(packed: Tensor, n: int, k: int | None = None) -> Tensor:
     even)."""
     if is_q4_panels(packed):
         return unpack_q4_panels(packed, n)
-    if packed.dim() == 4:  # bf16: (p, ceil(k / 2), width, 2)
+    packed = _unpaired(packed, k)
+    p, k2, width = packed.shape
+    return packed.transpose(1, 2).reshape(p * width, k2)[:n]
+
+
+def _unpaired(packed: Tensor, k: int | None) -> Tensor:
+    """Float32 or bf16 panels as ``(p, k, width)`` in their dtype (bf16 ones, ``(p, ceil(k /
+    2), width, 2)``, with their input pairs laid out again; ``k`` drops an odd k's padding)."""
+    if packed.dim() == 4:
         p, half, width, _ = packed.shape
         packed = packed.transpose(2, 3).reshape(p, 2 * half, width)
         if k is not None:
             packed = packed[:, :k]
-    p, k2, width = packed.shape
-    return packed.transpose(1, 2).reshape(p * width, k2)[:n]
+    return packed
 
 
 @dataclass(frozen=True)
@@ -333,50 +341,27 @@ def panel_floats(weight: Tensor, k: int) -> Tensor:
     are; the others widened exactly, as the kernel's tiles see them)."""
     if is_q4_panels(weight):
         return q4_panel_floats(weight)
-    if weight.dim() == 4:  # bf16: (p, ceil(k / 2), width, 2)
-        p, half, width, _ = weight.shape
-        return weight.transpose(2, 3).reshape(p, 2 * half, width)[:, :k].to(torch.float32)
-    return weight
+    return _unpaired(weight, k).to(torch.float32)
 
 
-def lora_linear_torch(
-    x: Tensor,
-    weight: Tensor,
-    n: int,
-    *,
-    groups: int,
-    lora_a: Tensor | None = None,
-    lora_b: Tensor | None = None,
-    first: int = 0,
-    lora: int = 0,
-    rank: int = 0,
-) -> Tensor:
+def lora_linear_torch(x: Tensor, weight: Tensor, n: int, **deltas: Any) -> Tensor:
     """:func:`lora_linear` with torch's matmuls on the packed layout, for calls of many rows
     (prefill, teacher-forced scoring), where torch's sgemm beats the register tiles on some
     machines (measured: :func:`scpdr.lora.gemm_choice.choose_torch_rows`): ``x`` ``(G·R, k)``
     float32 times each panel in one batched matmul (bf16 and q4 panels widened first, exactly),
-    then the deltas as :func:`lora_linear_reference` adds them. It differs from the kernel's
-    result only in the order of the float additions."""
+    then the deltas as :func:`lora_linear_reference` adds them (``deltas``: its keyword
+    arguments, ``groups`` ... ``rank``). It differs from the kernel's result only in the order
+    of the float additions."""
     rows, k = x.shape
     y = torch.matmul(x, panel_floats(weight, k))  # (p, rows, width)
     y = y.permute(1, 0, 2).reshape(rows, -1)
     y = y[:, :n].contiguous() if y.shape[1] != n else y
-    return _add_deltas(y, x, n, groups=groups, lora_a=lora_a, lora_b=lora_b, first=first,
-                       lora=lora, rank=rank)  # fmt: skip
+    return _add_deltas(y, x, n, **deltas)
 
 
-def _add_deltas(
-    y: Tensor,
-    x: Tensor,
-    n: int,
-    *,
-    groups: int,
-    lora_a: Tensor | None,
-    lora_b: Tensor | None,
-    first: int,
-    lora: int,
-    rank: int,
-) -> Tensor:
+def _add_deltas(y: Tensor, x: Tensor, n: int, *, groups: int, lora_a: Tensor | None = None,
+                lora_b: Tensor | None = None, first: int = 0, lora: int = 0,
+                rank: int = 0) -> Tensor:  # fmt: skip
     """``y`` (the base matmul of ``x``'s G groups of rows) plus the first ``lora`` groups'
     deltas ``(x_j·A_{first+j}ᵀ)·(s·B_{first+j})ᵀ`` from their packed matrices."""
     if not lora:

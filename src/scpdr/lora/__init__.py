@@ -40,7 +40,8 @@ Modules: :mod:`~scpdr.lora.adapters` (read PEFT adapters, write random ones),
 :mod:`~scpdr.lora.layers` (the wrapped linears), :mod:`~scpdr.lora.gemm_choice` (kernel or
 torch, measured; the kernel's prefetch), :mod:`~scpdr.lora.runner` (:class:`StackedLoRA`, the
 runner of :mod:`scpdr.runtime.runner`; it never imports ``ProtectedLM``),
-:mod:`~scpdr.lora.loading` (detection at bundle load), :mod:`~scpdr.lora.mapped` (whether a
+:mod:`~scpdr.lora.loading` (detection at bundle load; :func:`pack_full_model`, a general-path
+model loaded from a GGUF file decoding from its Q4_1 blocks on the kernel), :mod:`~scpdr.lora.mapped` (whether a
 module's weight is still the checkpoint's mapped bytes, told without paging it in).
 """
 
