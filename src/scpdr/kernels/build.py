@@ -397,8 +397,8 @@ def measured_choice(
     seconds, reference seconds)`` per case, timed in the same moment — with the candidate (a
     kernel, a precision, ...) kept only if it is at least ``min_speedup`` times faster in every
     case (or where ``decide(timings)`` says, for another rule). A new decision is stored in
-    ``path``; each is logged once at INFO as ``describe(choice)``. The one mechanism behind :func:`choose` and
-    :func:`scpdr.training.precision.resolve_precision`."""
+    ``path``; each is logged once at INFO as ``describe(choice)``. The one mechanism behind
+    :func:`choose` and :func:`scpdr.training.precision.resolve_precision`."""
     memo = (str(path), key)
     found = _STATE.choices.get(memo)
     if found is not None:

@@ -349,26 +349,25 @@ def choose_torch_rows(
     """From how many rows a call of the stack's linears on ``gemm`` (panels of
     ``weight_format``: "float32", "bf16" or "q4_1") runs torch's matmuls on the panels instead
     (:func:`scpdr.kernels.gemm.lora_linear_torch`; with ``keep_original``, the layers' kept
-    ``nn.Linear``), or None: the kernel at every size. Decoding
-    steps have few rows, where the register tiles win; a prefill or a teacher-forced score has
-    hundreds, where torch's sgemm (MKL) can be faster (measured on an Intel Xeon, Cascade Lake,
-    the model's linears at 256 rows: the AVX2 build 0.56x torch, the AVX-512 one 0.93x). Timed
-    at :data:`MANY_ROWS` (the same layers both ways, in the same moment), largest first: torch
-    from the smallest count where it was at least 1.1x faster (a tie keeps the kernel; with
-    ``keep_original``, unless it was more than 5% slower: a tie runs the plain layer), and at
-    every larger one. Forced like the
-    kernel (``SCPDR_GEMM_KERNEL=1``: None). The decisions are logged once and remembered."""
+    ``nn.Linear``), or None: the kernel at every size. Decoding steps have few rows, where the
+    register tiles win; a prefill or a teacher-forced score has hundreds, where torch's sgemm
+    (MKL) can be faster (measured on an Intel Xeon, Cascade Lake, the model's linears at 256
+    rows: the AVX2 build 0.56x torch, the AVX-512 one 0.93x). Timed at :data:`MANY_ROWS` (the
+    same layers both ways, in the same moment), largest first: torch from the smallest count
+    where it was at least 1.1x faster (a tie keeps the kernel; with ``keep_original``, unless it
+    was more than 5% slower: a tie runs the plain layer), and at every larger one. Forced like
+    the kernel (``SCPDR_GEMM_KERNEL=1``: None). The decisions are logged once and remembered."""
     if kernels.policy(kernels.gemm.NAME) == "kernel" or not shapes:
         return None
     small = sorted({s for s in shapes if s[0] * s[1] * 8 <= MEASURE_WEIGHT_BYTES})
     distinct = small or [min(shapes, key=lambda s: s[0] * s[1])]
     digest = hashlib.sha256(repr(distinct).encode()).hexdigest()[:12]
     found = None
+    side = "the original weights" if keep_original else f"{weight_format} panels"
     for many in MANY_ROWS:
         rows = -(-many // groups) * groups  # whole groups
         if rows <= groups * MEASURE_ROWS_PER_GROUP[-1]:  # a decoding step's size: the kernel's
             break
-        side = "the original weights" if keep_original else f"{weight_format} panels"
         torch_faster = _remembered(
             gemm,
             f"torch-rows{rows}-{weight_format}{'-kept' * keep_original}-G{groups}-L{lora}-{digest}",

@@ -235,27 +235,27 @@ def pack_full_model(
     from scpdr.lora.gemm_choice import choose_gemm, choose_q4, choose_torch_rows
     from scpdr.lora.layers import GroupMode, StackedLoraLinear, packable
 
-    source = q4_source or _q4_source(_canonical(ref), model)
+    linears = {name: mod for name, mod in model.named_modules()  # checked before any file I/O
+               if type(mod) is nn.Linear and packable(mod.weight) and mod.in_features % 32 == 0}  # fmt: skip
+    source = (q4_source or _q4_source(_canonical(ref), model)) if linears else None
     if source is None:
         return False
-    blocks = {}
-    for name, mod in model.named_modules():
-        if type(mod) is nn.Linear and packable(mod.weight) and mod.in_features % 32 == 0:
-            found = source(name)
-            if found is not None and q4_exact(found, mod.weight):  # not a fine-tune's weight
-                blocks[name] = found
-    shapes = [(model.get_submodule(n).in_features, model.get_submodule(n).out_features, 0)
-              for n in blocks]  # fmt: skip
+    blocks = {name: found for name in linears if (found := source(name)) is not None}
+    shapes = [(linears[n].in_features, linears[n].out_features, 0) for n in blocks]
     gemm = choose_gemm(shapes, groups=1, lora=0) if shapes else None  # the kernel, where faster
     if gemm is None or not choose_q4(gemm, shapes, groups=1, lora=0):
         return False
     mode = GroupMode()  # never stacked: the plain model
     packed = []
     for name, q4 in blocks.items():
-        layer = model.get_submodule(name)
+        layer = linears[name]
+        if not q4_exact(q4, layer.weight):  # not these weights (a fine-tune of the GGUF's)
+            continue
         wrapped = StackedLoraLinear(layer, None, None, mode, gemm=gemm, q4=q4, keep_original=True)
         model.set_submodule(name, wrapped)
         packed.append(wrapped)
+    if not packed:
+        return False
     many = choose_torch_rows(
         gemm, sorted(set(shapes)), groups=1, lora=0, weight_format="q4_1", keep_original=True
     )

@@ -98,8 +98,9 @@ def load_bundle_parts(
     )
 
     def load_full(ref: str) -> Any:  # general path: a GGUF model decodes from its Q4_1 blocks
-        model = M.load_model(manifest.resolve(path, ref), dtype=dtype).to(dev)
-        pack_full_model(manifest.resolve(path, ref), model)
+        resolved = manifest.resolve(path, ref)
+        model = M.load_model(resolved, dtype=dtype).to(dev)
+        pack_full_model(resolved, model)
         return model
 
     if stacked is not None:
