@@ -10,7 +10,7 @@ const char *scpdr_gemm_isa(void);
 int64_t scpdr_panel_width(void);
 void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int accumulate, int64_t threads);
 void scpdr_gemm_packed_q4w(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int accumulate, int64_t threads);
-int scp_delta_r_f32(const float *x, int64_t k, int64_t n, int64_t v, const float *base, int64_t base_rows, int64_t m, float *out, int64_t *kept);
+int scp_delta_r_f32(const float *x, int64_t k, int64_t n, int64_t v, const float *base, int64_t base_rows, int64_t m, float *out, int64_t *kept, int64_t threads);
 int cp_fuse_stats_f32(const float *lp, int64_t n, int64_t v, float step, int64_t ni, int64_t nj, double *out);
 static float rnd(void) { return (float)rand() / RAND_MAX * 2 - 1; }
 int main(void) {
@@ -67,10 +67,10 @@ int main(void) {
     int64_t kept[2 * 2 * 10];
     for (int64_t i = 0; i < K * N * V; i++) x[i] = 5 * rnd();
     for (int64_t i = 0; i < N * V; i++) b[i] = 5 * rnd();
-    bad |= scp_delta_r_f32(x, K, N, V, b, N, M, o, kept) != 0;
+    bad |= scp_delta_r_f32(x, K, N, V, b, N, M, o, kept, 2) != 0;
     for (int64_t r = 0; r < N; r++) { double z = 0; for (int64_t t = 0; t < V; t++) z += exp(o[r * V + t]); printf("scp row %ld sum p = %.7f\n", (long)r, z); bad |= fabs(z - 1) > 1e-5; }
     memset(x, 0, 4 * K * N * V); memset(b, 0, 4 * N * V);
-    scp_delta_r_f32(x, K, 1, 10, b, 1, 4, o, kept);
+    scp_delta_r_f32(x, K, 1, 10, b, 1, 4, o, kept, 1);
     printf("ties keep:"); for (int j = 0; j < 4; j++) printf(" %ld", (long)kept[j]); printf("\n");
     for (int j = 0; j < 4; j++) bad |= kept[j] != j;
     /* CP-Fuse statistics against double sums */

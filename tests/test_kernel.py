@@ -141,6 +141,22 @@ def test_kernel_at_the_real_vocabulary_and_batch_shapes():
     torch.testing.assert_close(out, want, atol=sum_tol(49152, want), rtol=2e-6)
 
 
+@pytest.mark.parametrize("constant", [False, True])
+def test_kernel_rows_split_over_threads_give_the_same_bits(constant):
+    """The OpenMP build splits the rows over threads (each row by one thread, one scratch
+    each): 1, 2, 3 and 8 threads (more threads than rows included) give the same bits and kept
+    sets, at a batch large enough to go parallel, and equal the definition."""
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randn(7, 4000, generator=g) * 4  # K x rows x V = 84,000: parallel
+    x = shared + torch.randn(3, 7, 4000, generator=g)
+    base = torch.randn(4000, generator=g) if constant else shared + torch.randn(7, 4000)
+    outs = [run(x, base, 10, kept=True, threads=t) for t in (1, 2, 3, 8)]
+    for out, kept in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(kept, outs[0][1])
+    want = naf.scp_delta_r_torch(x, base=base, m=10)
+    torch.testing.assert_close(outs[0][0], want, atol=sum_tol(4000, want), rtol=2e-6)
+
+
 @pytest.mark.parametrize("seed, scale", [(0, 3.0), (1, 6.0), (2, 20.0)])
 def test_kernel_normalizes_floored_rows_to_float32_rounding(seed, scale):
     """At V = 49,152 with 9%, 85% and 99.96% of the base's tokens below the floor e^-20, the

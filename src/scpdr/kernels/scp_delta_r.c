@@ -6,7 +6,8 @@
    token and distribution, the base's included), its floored mean and (the base's) floored
    mass from the kept exponentials, the smoothing scores p·d block by block into an L1 buffer
    with a running top-m (sub-blocks that cannot reach the m-th score are not scanned), the
-   union U of kept tokens, one output pass. The loops are plain C that the compiler
+   union U of kept tokens, one output pass. Rows are independent: large batches split them over
+   threads (OpenMP, where built with it). The loops are plain C that the compiler
    vectorizes for the target ISA (#pragma omp simd); the blocking (1024 floats, 8 KiB of
    scores per block) fits the L1 cache of every ISA the package targets, so nothing here
    depends on the register file.
@@ -23,6 +24,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LOG_FLOOR (-20.0f)
 #define BLOCK 1024
@@ -193,94 +197,139 @@ static int by_token(const void *a, const void *b) {
     return p->who - q->who;
 }
 
+/* Per-thread scratch of one row: the (token, constituent) pairs of the kept sets and then
+   the union, the union's corrected entries, and one constituent's exp(x - max). */
+typedef struct {
+    kept_t *pairs;
+    float *ug;
+    float *e;
+} scratch_t;
+
+/* Row `row` of the output (see scp_delta_r_f32); the base's statistics are passed in when the
+   base is constant (base_rows == 1) and computed here otherwise. */
+static void one_row(const float *restrict x, int64_t k, int64_t n, int64_t v,
+                    const float *restrict base, int64_t base_rows, int64_t m,
+                    float *restrict out, int64_t *restrict kept, int64_t row,
+                    const scratch_t *sc, float mx_b0, float ls_b0, float mu_b0, double zb0) {
+    kept_t *pairs = sc->pairs;
+    float *ug = sc->ug, *e = sc->e;
+    const float *b = base + (base_rows == 1 ? 0 : row * v);
+    float mx_b = mx_b0, ls_b = ls_b0, mu_b = mu_b0;
+    double z_base = zb0;
+    if (base_rows != 1) row_stats(b, v, e, &mx_b, &ls_b, &mu_b, &z_base);
+    float mx[MAX_K], ls[MAX_K], mu[MAX_K], c[MAX_K];
+    int64_t idx[MAX_K][MAX_M];
+    for (int64_t i = 0; i < k; i++) {
+        const float *xi = x + (i * n + row) * v;
+        row_stats(xi, v, e, &mx[i], &ls[i], &mu[i], NULL);
+        const float c_i = (float)(1.0 / exp((double)ls[i]));
+        top_m(xi, e, c_i, b, v, m, mx[i], ls[i], mu[i], mx_b, ls_b, mu_b, idx[i]);
+        double dsum = 0.0;
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t t = idx[i][j];
+            const float y = fmx((xi[t] - mx[i]) - ls[i], LOG_FLOOR);
+            const float yb = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR);
+            dsum += (double)((y - mu[i]) - (yb - mu_b));
+            pairs[i * m + j] = (kept_t){t, (int32_t)i};
+            if (kept) kept[(i * n + row) * m + j] = t;
+        }
+        c[i] = (float)(dsum / (double)v);
+    }
+    float cmax = c[0];
+    for (int64_t i = 1; i < k; i++) cmax = fmx(cmax, c[i]);
+    /* u = yb (floored base log-probs) off the union U of kept tokens; on U,
+       u = yb + g with g = min_i((kept_i ? d_i : 0) - c_i) + max_i c_i. */
+    qsort(pairs, (size_t)(k * m), sizeof(kept_t), by_token);
+    int64_t nu = 0;
+    double z_u_base = 0.0, z_u = 0.0;
+    for (int64_t p = 0; p < k * m;) {
+        const int64_t t = pairs[p].token;
+        const float yb = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR);
+        float g = INFINITY;
+        uint32_t keeps = 0;
+        for (; p < k * m && pairs[p].token == t; p++) {
+            const int32_t i = pairs[p].who;
+            const float y = fmx((x[(i * n + row) * v + t] - mx[i]) - ls[i], LOG_FLOOR);
+            g = fmn(g, ((y - mu[i]) - (yb - mu_b)) - c[i]);
+            keeps |= 1u << i;
+        }
+        for (int64_t i = 0; i < k; i++)
+            if (!(keeps & (1u << i))) g = fmn(g, -c[i]);
+        g += cmax;
+        z_u_base += exp((double)yb);
+        z_u += exp((double)yb + (double)g);
+        pairs[nu].token = t; /* the union, each token once, written over the pairs read */
+        ug[nu++] = yb + g;
+    }
+    float *o = out + row * v;
+    const double z = z_base - z_u_base + z_u;
+    if (z > 0.25 * z_base) {
+        const float log_z = (float)log(z);
+#pragma omp simd
+        for (int64_t t = 0; t < v; t++) o[t] = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR) - log_z;
+        for (int64_t j = 0; j < nu; j++) o[pairs[j].token] = ug[j] - log_z;
+    } else { /* the closed form cancels: normalize by the sum over the output row itself */
+#pragma omp simd
+        for (int64_t t = 0; t < v; t++) o[t] = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR);
+        for (int64_t j = 0; j < nu; j++) o[pairs[j].token] = ug[j];
+        float mo, lo;
+        max_logsum(o, v, &mo, &lo);
+        const float log_z = mo + lo;
+#pragma omp simd
+        for (int64_t t = 0; t < v; t++) o[t] -= log_z;
+    }
+}
+
+/* Rows split over threads only where each gets enough work to pay the fork/join (a few
+   microseconds; one row of K = 2, V = 49152 takes ~0.4 ms). */
+#define PARALLEL_MIN_ELEMENTS ((int64_t)1 << 16)
+
 /* x: (k, n, v); base: (base_rows, v) with base_rows 1 (constant) or n; out: (n, v); kept: NULL
-   or (k, n, m) for the kept tokens (by decreasing score). Returns 0, or -1 for unsupported
-   sizes (m > MAX_M, k > MAX_K, m >= v) or -2 when out of memory. */
+   or (k, n, m) for the kept tokens (by decreasing score). The rows are split over up to
+   `threads` threads (the OpenMP runtime torch uses, when built with -fopenmp); each row is
+   computed by one thread with the same code, so the output is the same for any thread count.
+   Returns 0, or -1 for unsupported sizes (m > MAX_M, k > MAX_K, m >= v) or -2 when out of
+   memory. */
 int scp_delta_r_f32(const float *restrict x, int64_t k, int64_t n, int64_t v,
                     const float *restrict base, int64_t base_rows, int64_t m,
-                    float *restrict out, int64_t *restrict kept) {
+                    float *restrict out, int64_t *restrict kept, int64_t threads) {
     if (m > MAX_M || k > MAX_K || m < 1 || k < 1 || m >= v) return -1;
-    kept_t *pairs = malloc(sizeof(kept_t) * (size_t)(k * m));
-    float *ug = malloc(sizeof(float) * (size_t)(k * m));
-    float *e = malloc(sizeof(float) * (size_t)v); /* one constituent's exp(x - max) */
-    if (!pairs || !ug || !e) {
-        free(pairs);
-        free(ug);
-        free(e);
-        return -2;
+    int64_t nt = 1;
+#ifdef _OPENMP
+    if (threads > 1 && n > 1 && k * n * v >= PARALLEL_MIN_ELEMENTS) nt = threads < n ? threads : n;
+#else
+    (void)threads;
+#endif
+    scratch_t *sc = calloc((size_t)nt, sizeof(scratch_t));
+    if (!sc) return -2;
+    int failed = 0;
+    for (int64_t t = 0; t < nt; t++) {
+        sc[t].pairs = malloc(sizeof(kept_t) * (size_t)(k * m));
+        sc[t].ug = malloc(sizeof(float) * (size_t)(k * m));
+        sc[t].e = malloc(sizeof(float) * (size_t)v);
+        failed |= !sc[t].pairs || !sc[t].ug || !sc[t].e;
     }
-    float mx_b0 = 0.0f, ls_b0 = 0.0f, mu_b0 = 0.0f;
-    double zb0 = 0.0;
-    if (base_rows == 1) row_stats(base, v, e, &mx_b0, &ls_b0, &mu_b0, &zb0); /* once for all rows */
-    for (int64_t row = 0; row < n; row++) {
-        const float *b = base + (base_rows == 1 ? 0 : row * v);
-        float mx_b = mx_b0, ls_b = ls_b0, mu_b = mu_b0;
-        double z_base = zb0;
-        if (base_rows != 1) row_stats(b, v, e, &mx_b, &ls_b, &mu_b, &z_base);
-        float mx[MAX_K], ls[MAX_K], mu[MAX_K], c[MAX_K];
-        int64_t idx[MAX_K][MAX_M];
-        for (int64_t i = 0; i < k; i++) {
-            const float *xi = x + (i * n + row) * v;
-            row_stats(xi, v, e, &mx[i], &ls[i], &mu[i], NULL);
-            const float c_i = (float)(1.0 / exp((double)ls[i]));
-            top_m(xi, e, c_i, b, v, m, mx[i], ls[i], mu[i], mx_b, ls_b, mu_b, idx[i]);
-            double dsum = 0.0;
-            for (int64_t j = 0; j < m; j++) {
-                const int64_t t = idx[i][j];
-                const float y = fmx((xi[t] - mx[i]) - ls[i], LOG_FLOOR);
-                const float yb = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR);
-                dsum += (double)((y - mu[i]) - (yb - mu_b));
-                pairs[i * m + j] = (kept_t){t, (int32_t)i};
-                if (kept) kept[(i * n + row) * m + j] = t;
-            }
-            c[i] = (float)(dsum / (double)v);
-        }
-        float cmax = c[0];
-        for (int64_t i = 1; i < k; i++) cmax = fmx(cmax, c[i]);
-        /* u = yb (floored base log-probs) off the union U of kept tokens; on U,
-           u = yb + g with g = min_i((kept_i ? d_i : 0) - c_i) + max_i c_i. */
-        qsort(pairs, (size_t)(k * m), sizeof(kept_t), by_token);
-        int64_t nu = 0;
-        double z_u_base = 0.0, z_u = 0.0;
-        for (int64_t p = 0; p < k * m;) {
-            const int64_t t = pairs[p].token;
-            const float yb = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR);
-            float g = INFINITY;
-            uint32_t keeps = 0;
-            for (; p < k * m && pairs[p].token == t; p++) {
-                const int32_t i = pairs[p].who;
-                const float y = fmx((x[(i * n + row) * v + t] - mx[i]) - ls[i], LOG_FLOOR);
-                g = fmn(g, ((y - mu[i]) - (yb - mu_b)) - c[i]);
-                keeps |= 1u << i;
-            }
-            for (int64_t i = 0; i < k; i++)
-                if (!(keeps & (1u << i))) g = fmn(g, -c[i]);
-            g += cmax;
-            z_u_base += exp((double)yb);
-            z_u += exp((double)yb + (double)g);
-            pairs[nu].token = t; /* the union, each token once, written over the pairs read */
-            ug[nu++] = yb + g;
-        }
-        float *o = out + row * v;
-        const double z = z_base - z_u_base + z_u;
-        if (z > 0.25 * z_base) {
-            const float log_z = (float)log(z);
-#pragma omp simd
-            for (int64_t t = 0; t < v; t++) o[t] = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR) - log_z;
-            for (int64_t j = 0; j < nu; j++) o[pairs[j].token] = ug[j] - log_z;
-        } else { /* the closed form cancels: normalize by the sum over the output row itself */
-#pragma omp simd
-            for (int64_t t = 0; t < v; t++) o[t] = fmx((b[t] - mx_b) - ls_b, LOG_FLOOR);
-            for (int64_t j = 0; j < nu; j++) o[pairs[j].token] = ug[j];
-            float mo, lo;
-            max_logsum(o, v, &mo, &lo);
-            const float log_z = mo + lo;
-#pragma omp simd
-            for (int64_t t = 0; t < v; t++) o[t] -= log_z;
+    if (!failed) {
+        float mx_b0 = 0.0f, ls_b0 = 0.0f, mu_b0 = 0.0f;
+        double zb0 = 0.0;
+        if (base_rows == 1) /* once for all rows */
+            row_stats(base, v, sc[0].e, &mx_b0, &ls_b0, &mu_b0, &zb0);
+#pragma omp parallel for num_threads((int)nt) if (nt > 1) schedule(static)
+        for (int64_t row = 0; row < n; row++) {
+#ifdef _OPENMP
+            const scratch_t *mine = &sc[omp_get_thread_num()];
+#else
+            const scratch_t *mine = &sc[0];
+#endif
+            one_row(x, k, n, v, base, base_rows, m, out, kept, row, mine, mx_b0, ls_b0, mu_b0,
+                    zb0);
         }
     }
-    free(pairs);
-    free(ug);
-    free(e);
-    return 0;
+    for (int64_t t = 0; t < nt; t++) {
+        free(sc[t].pairs);
+        free(sc[t].ug);
+        free(sc[t].e);
+    }
+    free(sc);
+    return failed ? -2 : 0;
 }
