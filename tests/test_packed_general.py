@@ -227,3 +227,22 @@ def test_embedded_model_of_a_general_path_bundle_decodes_from_its_blocks(tmp_pat
         torch.testing.assert_close(
             torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-3, rtol=0
         )
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_the_attacks_model_store_loads_the_embedded_model_as_serve_does():
+    """``scpdr eval``/``experiment`` load through :class:`scpdr.attacks.ModelStore`: the
+    embedded model decodes from its Q4_1 blocks there too (what the attacks query is what
+    ``scpdr serve`` serves), once per store, and a bf16 load is left as it is."""
+    from scpdr import models
+    from scpdr.attacks import ModelStore
+
+    store = ModelStore()
+    with kernels.force("packed_gemm", "kernel"):
+        model = store.model(models.EMBEDDED)
+        assert store.model(models.EMBEDDED) is model
+        packed = [m for m in model.modules() if isinstance(m, StackedLoraLinear)]
+        assert len(packed) == 210 and {m.weight_format for m in packed} == {"q4_1"}
+        half = store.model(models.EMBEDDED, dtype=torch.bfloat16)
+        assert not any(isinstance(m, StackedLoraLinear) for m in half.modules())
