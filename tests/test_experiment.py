@@ -162,7 +162,10 @@ CORPUS = {"name": "names2ids", "n_train": 12, "n_val": 6}
         ({"sweeps": [{"key": "m", "values": []}]}, "sweeps.0.values: must have at least 1 item"),
         ({"attacks": {"canary": {"n_reference": 10}}}, "attacks.canary.n_reference: must be ≥ 100"),
         ({"references": {"holdout": 0}}, "references.holdout: must be ≥ 1"),
-        ({"attacks": {"mia": {"population": "names"}}}, "attacks.mia.population: must be 'auto', 'canaries' or 'records'"),
+        (
+            {"attacks": {"mia": {"population": "names"}}},
+            "attacks.mia.population: must be 'auto', 'canaries' or 'records'",
+        ),
         ({"bounds": {"methods": ["cp-fuse"]}}, "bounds.methods: cp-fuse is stateful"),
     ],
 )

@@ -75,6 +75,7 @@ def test_module_is_small(name):
 
 def test_no_import_cycle():
     graph = _graph()
+
     # strongly connected components (Tarjan), ignoring a package __init__ -> its own submodules
     def edges(n: str) -> set[str]:
         return {m for m in graph[n] if not m.startswith(n + ".")}
@@ -130,7 +131,10 @@ def test_result_row_names_live_in_methods(row):
     spelled = sorted(
         n
         for n, p in MODULES.items()
-        if n != "scpdr.methods" and (f'"{row}"' in p.read_text(encoding="utf-8")
-                                     or f"'{row}'" in p.read_text(encoding="utf-8"))
+        if n != "scpdr.methods"
+        and (
+            f'"{row}"' in p.read_text(encoding="utf-8")
+            or f"'{row}'" in p.read_text(encoding="utf-8")
+        )
     )
     assert len(spelled) <= 1, f"{row!r} spelled outside scpdr.methods in {spelled}"

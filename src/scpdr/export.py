@@ -164,7 +164,9 @@ def export_bundle(
                 "secret; remove it from the model directories and export again"
             )
         files = {
-            p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()
+            p.relative_to(tmp).as_posix(): sha256_file(p)
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file()
         }
         (tmp / EXPORT_MANIFEST).write_text(
             json.dumps(

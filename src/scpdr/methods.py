@@ -198,8 +198,10 @@ _ALIASES: dict[str, str] = {a: s.name for s in SPECS.values() for a in s.aliases
 #: The rows of the paper's main table (Table 3), in its order: an experiment's and ``scpdr eval``'s
 #: default methods.
 MAIN_TABLE_METHODS: tuple[str, ...] = tuple(
-    sorted((s.name for s in SPECS.values() if s.main_order is not None),
-           key=lambda n: SPECS[n].main_order or 0)
+    sorted(
+        (s.name for s in SPECS.values() if s.main_order is not None),
+        key=lambda n: SPECS[n].main_order or 0,
+    )
 )
 #: The order of method rows in every table and plot (methods not listed follow, sorted).
 METHOD_ORDER: tuple[str, ...] = tuple(s.name for s in SPECS.values() if s.kind != "reference")

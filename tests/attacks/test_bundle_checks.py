@@ -38,5 +38,7 @@ def test_bundle_bases_names_the_missing_base(tmp_path):
 def test_check_attacks():
     # "lira" is the MIA suite's older name: it resolves to "mia", once
     assert check_attacks(["canary", "lira", "pii", "mia"]) == ["canary", "mia", "pii"]
-    with pytest.raises(ConfigError, match=r"\['x'\]; known: canary, pii, tte, mia, utility, secrets, lira"):
+    with pytest.raises(
+        ConfigError, match=r"\['x'\]; known: canary, pii, tte, mia, utility, secrets, lira"
+    ):
         check_attacks(["pii", "x"])

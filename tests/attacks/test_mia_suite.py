@@ -30,7 +30,9 @@ def test_a_memorizer_is_caught_by_every_attack():
     for attack in MIA_ATTACKS:
         assert _auc(res, attack) == 1.0, attack
     rows = res.rows(method="none", corpus="toy")
-    assert {(r.attack, r.metric) for r in rows} == {(a, m) for a in MIA_ATTACKS for m in MIA_METRICS}
+    assert {(r.attack, r.metric) for r in rows} == {
+        (a, m) for a in MIA_ATTACKS for m in MIA_METRICS
+    }
     for r in rows:
         d = r.to_dict()
         assert d["n_members"] == 10 and d["n_nonmembers"] == 10 and d["population"] == "records"

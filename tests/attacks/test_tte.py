@@ -83,4 +83,6 @@ def test_rows_carry_intervals_over_examples():
     for e in est.values():
         assert e.ci_low < e.value < e.ci_high  # the examples differ: a real interval
     rows = {r.metric: r.to_dict() for r in res.rows()}
-    assert rows["acc"]["ci_low"] == est["acc"].ci_low and rows["auc"]["ci_high"] == est["auc"].ci_high
+    assert (
+        rows["acc"]["ci_low"] == est["acc"].ci_low and rows["auc"]["ci_high"] == est["auc"].ci_high
+    )

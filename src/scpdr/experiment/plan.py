@@ -357,7 +357,8 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
             if attack == "budget":  # the sweep's members and non-members: the MIA suite's
                 inputs["mia_population"] = cfg.attacks.mia.population
             deps: dict[str, Stage] = {"bundle": cs.bundle, "partitions": cs.partitions}
-            if attack in ("mia", "budget") and cs.ref_bundle is not None:  # LiRA's reference: over p0
+            # LiRA's reference: over p0
+            if attack in ("mia", "budget") and cs.ref_bundle is not None:
                 deps["ref_bundle"] = cs.ref_bundle
                 if M.SPECS[method].rule == "none" and cs.reference is not None:  # No CP, baselines
                     deps["reference"] = cs.reference

@@ -80,9 +80,7 @@ def nas_scores(
     from scpdr.attacks.nas import nas
 
     table = {k: {j: v for j, v in enumerate(vals) if v is not None} for k, vals in values.items()}
-    scores = nas(
-        table, weights=dict(enumerate(weights)), exclude=(), scale_exclude=scale_exclude
-    )
+    scores = nas(table, weights=dict(enumerate(weights)), exclude=(), scale_exclude=scale_exclude)
     return {k: (v if math.isfinite(v) else None) for k, v in scores.items()}
 
 

@@ -36,8 +36,6 @@ MIA_COLUMNS: tuple[tuple[str, str, str], ...] = (
 MIN_NONMEMBERS = 100
 
 
-
-
 def power_lines(rows: Iterable[Any]) -> list[str]:
     """What the membership tests of ``rows`` can resolve: ``"members M / non-members N; the
     smallest FPR N non-members can resolve is 1/N (x%)"`` per corpus, and a warning when N <

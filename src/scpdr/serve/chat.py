@@ -106,9 +106,7 @@ class ChatEndpoint(GenerationEndpoint):
                     i,
                     DeltaMessage(content=event.text),
                     logprobs=chat_logprobs(self.state.text, [event], k) if req.logprobs else None,
-                    naf=self.state.certificate(
-                        c.tokens, budget=c.budget, listed=slice(n - 1, n)
-                    ),
+                    naf=self.state.certificate(c.tokens, budget=c.budget, listed=slice(n - 1, n)),
                 )
             elif isinstance(event, Finished):
                 yield self._chunk(

@@ -74,9 +74,7 @@ class CompletionEndpoint(GenerationEndpoint):
             text=(choice.prompt_text if req.echo else "") + choice.completion_text,
             logprobs=logprobs,
             finish_reason=choice.finish_reason,  # type: ignore[arg-type]
-            naf=self.state.certificate(
-                choice.tokens, choice.prompt_logprobs, budget=choice.budget
-            ),
+            naf=self.state.certificate(choice.tokens, choice.prompt_logprobs, budget=choice.budget),
         )
 
     def build(self, req: CompletionRequest, run: Run) -> CompletionResponse:

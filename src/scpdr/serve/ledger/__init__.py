@@ -37,6 +37,7 @@ __all__ = [
     "open_ledger",
 ]
 
+
 def open_ledger(
     target: str | os.PathLike[str],
     *,
