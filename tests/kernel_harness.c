@@ -11,7 +11,7 @@ int64_t scpdr_panel_width(void);
 void scpdr_gemm_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int accumulate, int64_t threads);
 void scpdr_gemm_packed_q4w(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int accumulate, int64_t threads);
 int scp_delta_r_f32(const float *x, int64_t k, int64_t n, int64_t v, const float *base, int64_t base_rows, int64_t m, float *out, int64_t *kept, int64_t threads);
-int cp_fuse_stats_f32(const float *lp, int64_t n, int64_t v, float step, int64_t ni, int64_t nj, double *out);
+int cp_fuse_stats_f32(const float *lp, int64_t n, int64_t v, float step, int64_t ni, int64_t nj, double *out, int64_t threads);
 static float rnd(void) { return (float)rand() / RAND_MAX * 2 - 1; }
 int main(void) {
     int bad = 0;
@@ -76,7 +76,7 @@ int main(void) {
     /* CP-Fuse statistics against double sums */
     float *lp = malloc(4 * 2 * 700);
     for (int i = 0; i < 1400; i++) lp[i] = -20 * (float)rand() / RAND_MAX;
-    double *st = malloc(8 * 11 * 33); bad |= cp_fuse_stats_f32(lp, 1, 700, 0.2f, 11, 11, st) != 0;
+    double *st = malloc(8 * 11 * 33); bad |= cp_fuse_stats_f32(lp, 1, 700, 0.2f, 11, 11, st, 1) != 0;
     double rel = 0;
     for (int i = 0; i < 11; i++) for (int q = 0; q < 33; q++) {
         double acc = 0; int j = q % 11;

@@ -14,7 +14,9 @@
    i.e. (ni x V)·(V x 3 nj): two exponentials per token instead of one per token and grid point
    (120 with the default grid, which made the grid search cost ~1 decode step at batch 8).
    Blocks of BLOCK tokens: the powers into an L1/L2-sized buffer, then a register tile of TI x TQ
-   dot products (by ISA, as in packed_gemm.c), float within a block, double across blocks. */
+   dot products (by ISA, as in packed_gemm.c), float within a block, double across blocks.
+   Rows are independent: batches of two rows or more split them over threads (OpenMP, where
+   built with it). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 /* GCC's Zen tuning (what -march=native implies on this AMD EPYC) made this file ~12% slower
    than its generic tuning (5.4 vs 4.7 ms for 8 rows of 49152 tokens; docs/performance.md) */
@@ -24,6 +26,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__)
 #define VBYTES 64
@@ -112,81 +117,118 @@ static void tile_at(const float *u, const float *w, int64_t len, int64_t i0, int
     }
 }
 
+/* The statistics of row `row` (see cp_fuse_stats_f32) with this thread's buffers: u, of
+   (ni_pad + nq_pad) x BLOCK floats zeroed once (its padded rows stay 0), and acc. */
+static void row_stats(const float *restrict lp, int64_t n, int64_t v, float step, int64_t ni,
+                      int64_t nj, double *restrict out, int64_t row, float *u, double *acc) {
+    const int64_t ni_pad = (ni + TI - 1) / TI * TI, nq = 3 * nj;
+    const int64_t nq_pad = (nq + TQ - 1) / TQ * TQ;
+    float *w = u + ni_pad * BLOCK;
+    const float *l1 = lp + row * v, *l2 = lp + (n + row) * v;
+    memset(acc, 0, sizeof(double) * (size_t)(ni_pad * nq_pad * LANES));
+    for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
+        const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
+        const int64_t len_pad = (len + LANES - 1) / LANES * LANES;
+        float *u1 = u + BLOCK, *w1 = w + BLOCK;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) {
+            const float a = l1[t0 + t], b = l2[t0 + t];
+            u[t] = 1.0f;
+            w[t] = 1.0f;
+            w[nj * BLOCK + t] = a;
+            w[2 * nj * BLOCK + t] = b;
+            if (ni > 1) u1[t] = vexpf(step * a);
+            if (nj > 1) w1[t] = vexpf(step * b);
+        }
+        for (int64_t t = len; t < len_pad; t++) { /* past the row: U = 0 adds nothing */
+            u[t] = 0.0f;
+            if (ni > 1) u1[t] = 0.0f;
+            w[t] = w[nj * BLOCK + t] = w[2 * nj * BLOCK + t] = 0.0f;
+            if (nj > 1) w1[t] = 0.0f;
+        }
+        for (int64_t i = 2; i < ni; i++) {
+            const float *prev = u + (i - 1) * BLOCK;
+            float *cur = u + i * BLOCK;
+#pragma omp simd
+            for (int64_t t = 0; t < len_pad; t++) cur[t] = prev[t] * u1[t];
+        }
+        for (int64_t j = 2; j < nj; j++) {
+            const float *prev = w + (j - 1) * BLOCK;
+            float *cur = w + j * BLOCK;
+#pragma omp simd
+            for (int64_t t = 0; t < len_pad; t++) cur[t] = prev[t] * w1[t];
+        }
+        for (int64_t j = 1; j < nj; j++) {
+            const float *wj = w + j * BLOCK;
+            float *c1 = w + (nj + j) * BLOCK, *c2 = w + (2 * nj + j) * BLOCK;
+            const float *a = w + nj * BLOCK, *b = w + 2 * nj * BLOCK;
+#pragma omp simd
+            for (int64_t t = 0; t < len_pad; t++) {
+                c1[t] = wj[t] * a[t];
+                c2[t] = wj[t] * b[t];
+            }
+        }
+        for (int64_t i0 = 0; i0 < ni; i0 += TI)
+            for (int64_t q0 = 0; q0 < nq; q0 += TQ)
+                tile_at(u, w, len_pad, i0, q0, nq_pad, acc, (int)(ni - i0 < TI ? ni - i0 : TI),
+                        (int)(nq - q0 < TQ ? nq - q0 : TQ));
+    }
+    double *o = out + row * ni * nq;
+    for (int64_t i = 0; i < ni; i++)
+        for (int64_t q = 0; q < nq; q++) {
+            double sum = 0.0;
+            for (int l = 0; l < LANES; l++) sum += acc[(i * nq_pad + q) * LANES + l];
+            o[i * nq + q] = sum;
+        }
+}
+
+/* Rows split over threads only where each gets enough work to pay the fork/join (one row of
+   V = 49152 takes ~0.6 ms). */
+#define PARALLEL_MIN_ELEMENTS ((int64_t)1 << 15)
+
 /* lp: (2, n, v) float32 log-probs; step > 0; ni, nj in 1..MAX_POW (powers 0..ni-1, 0..nj-1);
-   out: (n, ni, 3 nj) float64. Returns 0, -1 for bad sizes, -2 when out of memory. */
+   out: (n, ni, 3 nj) float64. The rows are split over up to `threads` threads (the OpenMP
+   runtime torch uses, when built with -fopenmp); each row is computed by one thread with the
+   same code, so the output is the same for any thread count. Returns 0, -1 for bad sizes, -2
+   when out of memory. */
 int cp_fuse_stats_f32(const float *restrict lp, int64_t n, int64_t v, float step, int64_t ni,
-                      int64_t nj, double *restrict out) {
+                      int64_t nj, double *restrict out, int64_t threads) {
     if (ni < 1 || nj < 1 || ni > MAX_POW || nj > MAX_POW || v < 1 || !(step > 0.0f)) return -1;
     const int64_t ni_pad = (ni + TI - 1) / TI * TI, nq = 3 * nj;
     const int64_t nq_pad = (nq + TQ - 1) / TQ * TQ;
-    float *u = aligned_alloc(VBYTES, sizeof(float) * (size_t)((ni_pad + nq_pad) * BLOCK));
-    double *acc = malloc(sizeof(double) * (size_t)(ni_pad * nq_pad * LANES));
-    if (!u || !acc) {
-        free(u);
-        free(acc);
-        return -2;
+    const size_t u_floats = (size_t)((ni_pad + nq_pad) * BLOCK);
+    const size_t acc_doubles = (size_t)(ni_pad * nq_pad * LANES);
+    int64_t nt = 1;
+#ifdef _OPENMP
+    if (threads > 1 && n > 1 && n * v >= PARALLEL_MIN_ELEMENTS) nt = threads < n ? threads : n;
+#else
+    (void)threads;
+#endif
+    float **us = calloc((size_t)nt, sizeof(float *));
+    double **accs = calloc((size_t)nt, sizeof(double *));
+    int failed = !us || !accs;
+    for (int64_t t = 0; !failed && t < nt; t++) {
+        us[t] = aligned_alloc(VBYTES, sizeof(float) * u_floats);
+        accs[t] = malloc(sizeof(double) * acc_doubles);
+        failed = !us[t] || !accs[t];
+        if (!failed) memset(us[t], 0, sizeof(float) * u_floats); /* padded rows stay 0 */
     }
-    float *w = u + ni_pad * BLOCK;
-    memset(u, 0, sizeof(float) * (size_t)((ni_pad + nq_pad) * BLOCK)); /* padded rows stay 0 */
-    for (int64_t row = 0; row < n; row++) {
-        const float *l1 = lp + row * v, *l2 = lp + (n + row) * v;
-        memset(acc, 0, sizeof(double) * (size_t)(ni_pad * nq_pad * LANES));
-        for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
-            const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
-            const int64_t len_pad = (len + LANES - 1) / LANES * LANES;
-            float *u1 = u + BLOCK, *w1 = w + BLOCK;
-#pragma omp simd
-            for (int64_t t = 0; t < len; t++) {
-                const float a = l1[t0 + t], b = l2[t0 + t];
-                u[t] = 1.0f;
-                w[t] = 1.0f;
-                w[nj * BLOCK + t] = a;
-                w[2 * nj * BLOCK + t] = b;
-                if (ni > 1) u1[t] = vexpf(step * a);
-                if (nj > 1) w1[t] = vexpf(step * b);
-            }
-            for (int64_t t = len; t < len_pad; t++) { /* past the row: U = 0 adds nothing */
-                u[t] = 0.0f;
-                if (ni > 1) u1[t] = 0.0f;
-                w[t] = w[nj * BLOCK + t] = w[2 * nj * BLOCK + t] = 0.0f;
-                if (nj > 1) w1[t] = 0.0f;
-            }
-            for (int64_t i = 2; i < ni; i++) {
-                const float *prev = u + (i - 1) * BLOCK;
-                float *cur = u + i * BLOCK;
-#pragma omp simd
-                for (int64_t t = 0; t < len_pad; t++) cur[t] = prev[t] * u1[t];
-            }
-            for (int64_t j = 2; j < nj; j++) {
-                const float *prev = w + (j - 1) * BLOCK;
-                float *cur = w + j * BLOCK;
-#pragma omp simd
-                for (int64_t t = 0; t < len_pad; t++) cur[t] = prev[t] * w1[t];
-            }
-            for (int64_t j = 1; j < nj; j++) {
-                const float *wj = w + j * BLOCK;
-                float *c1 = w + (nj + j) * BLOCK, *c2 = w + (2 * nj + j) * BLOCK;
-                const float *a = w + nj * BLOCK, *b = w + 2 * nj * BLOCK;
-#pragma omp simd
-                for (int64_t t = 0; t < len_pad; t++) {
-                    c1[t] = wj[t] * a[t];
-                    c2[t] = wj[t] * b[t];
-                }
-            }
-            for (int64_t i0 = 0; i0 < ni; i0 += TI)
-                for (int64_t q0 = 0; q0 < nq; q0 += TQ)
-                    tile_at(u, w, len_pad, i0, q0, nq_pad, acc, (int)(ni - i0 < TI ? ni - i0 : TI),
-                            (int)(nq - q0 < TQ ? nq - q0 : TQ));
+    if (!failed) {
+#pragma omp parallel for num_threads((int)nt) if (nt > 1) schedule(static)
+        for (int64_t row = 0; row < n; row++) {
+#ifdef _OPENMP
+            const int64_t me = omp_get_thread_num();
+#else
+            const int64_t me = 0;
+#endif
+            row_stats(lp, n, v, step, ni, nj, out, row, us[me], accs[me]);
         }
-        double *o = out + row * ni * nq;
-        for (int64_t i = 0; i < ni; i++)
-            for (int64_t q = 0; q < nq; q++) {
-                double sum = 0.0;
-                for (int l = 0; l < LANES; l++) sum += acc[(i * nq_pad + q) * LANES + l];
-                o[i * nq + q] = sum;
-            }
     }
-    free(u);
-    free(acc);
-    return 0;
+    for (int64_t t = 0; t < nt; t++) {
+        if (us) free(us[t]);
+        if (accs) free(accs[t]);
+    }
+    free(us);
+    free(accs);
+    return failed ? -2 : 0;
 }

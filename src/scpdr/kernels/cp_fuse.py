@@ -27,8 +27,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 def _configure(lib: ctypes.CDLL) -> str:
     fn = lib.cp_fuse_stats_f32
     fn.restype = ctypes.c_int
-    # lp (2, n, V) float32, n, V, step, ni, nj, out (n, ni, 3 nj) float64
-    fn.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _I64, _I64, _PTR]
+    # lp (2, n, V) float32, n, V, step, ni, nj, out (n, ni, 3 nj) float64, threads
+    fn.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _I64, _I64, _PTR, _I64]
     lib.scpdr_cp_fuse_max_power.restype = _I64
     if lib.scpdr_cp_fuse_max_power() != MAX_POWER:
         raise RuntimeError("cp_fuse.c and scpdr.kernels.cp_fuse disagree on MAX_POWER")
@@ -40,18 +40,27 @@ def library(target: str | None = None) -> build.Library | None:
     """The ``cp_fuse`` build for ``target`` (default :func:`build.default_target`), or None when
     it cannot be built here (a warning, once)."""
     return build.load(
-        NAME, what="CP-Fuse: the grid statistics CPU kernel", configure=_configure, target=target
+        NAME,
+        what="CP-Fuse: the grid statistics CPU kernel",
+        configure=_configure,
+        target=target,
+        openmp=True,
     )
 
 
-def run(lib: build.Library, lp: Tensor, step: float, ni: int, nj: int) -> Tensor:
+def run(
+    lib: build.Library, lp: Tensor, step: float, ni: int, nj: int, *, threads: int | None = None
+) -> Tensor:
     """``S`` ``(n, ni, 3·nj)`` float64 of float32 log-probs ``lp`` ``(2, n, V)`` (CPU):
     ``S[r, i, q] = sum_t u^i W_q`` with ``u = exp(step·l1)``, ``w = exp(step·l2)``, ``W_q`` =
-    ``w^q`` (q < nj), ``w^(q-nj)·l1`` (q < 2 nj), ``w^(q-2nj)·l2``."""
+    ``w^q`` (q < nj), ``w^(q-nj)·l1`` (q < 2 nj), ``w^(q-2nj)·l2``. The rows are split over
+    ``threads`` threads (default torch's; an OpenMP build only, from 2 rows of ~16k tokens):
+    each row is computed by one thread, so the result is the same for any thread count."""
     lpc = lp.contiguous()
     n, vocab = lpc.shape[1], lpc.shape[2]
     out = torch.empty((n, ni, 3 * nj), dtype=torch.float64)
-    rc = lib.cdll.cp_fuse_stats_f32(lpc.data_ptr(), n, vocab, step, ni, nj, out.data_ptr())
+    threads = torch.get_num_threads() if threads is None else threads
+    rc = lib.cdll.cp_fuse_stats_f32(lpc.data_ptr(), n, vocab, step, ni, nj, out.data_ptr(), threads)
     if rc == -2:
         raise MemoryError("cp_fuse_stats_f32: out of memory")
     if rc != 0:
