@@ -217,7 +217,7 @@ static void one_row(const float *restrict x, int64_t k, int64_t n, int64_t v,
     float mx_b = mx_b0, ls_b = ls_b0, mu_b = mu_b0;
     double z_base = zb0;
     if (base_rows != 1) row_stats(b, v, e, &mx_b, &ls_b, &mu_b, &z_base);
-    float mx[MAX_K], ls[MAX_K], mu[MAX_K], c[MAX_K];
+    float mx[MAX_K], ls[MAX_K], mu[MAX_K], c[MAX_K] = {0.0f}; /* k >= 1: c[0] is set below */
     int64_t idx[MAX_K][MAX_M];
     for (int64_t i = 0; i < k; i++) {
         const float *xi = x + (i * n + row) * v;
