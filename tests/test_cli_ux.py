@@ -89,6 +89,7 @@ def test_bundle_refuses_m_zero_and_writes_nothing(tiny, tmp_path, capsys):
         (["--m", "60000"], "vocabulary size (49152)"),
         (["--batch-size", "0"], "--batch-size"),
         (["--max-tokens", "0"], "--max-tokens"),
+        (["--precision", "fp16"], "--precision must be one of auto, fp32, bf16"),
     ],
 )
 def test_eval_bad_numbers_are_one_line(tiny, parts, tmp_path, capsys, extra, needle):
@@ -97,6 +98,20 @@ def test_eval_bad_numbers_are_one_line(tiny, parts, tmp_path, capsys, extra, nee
     assert main([*argv, *extra]) == 2
     _one_line_error(capsys, needle)
     assert not (tmp_path / "e").exists()
+
+
+def test_eval_attacks_the_models_in_the_precision_asked(tiny, parts, tmp_path):
+    """``--precision bf16``: the attacks run on the bf16 models (what ``scpdr serve --precision
+    bf16`` serves) and write their rows; fp32 likewise."""
+    import json
+
+    for precision in ("bf16", "fp32"):
+        out = tmp_path / precision
+        argv = ["eval", str(tiny), "--out", str(out), "--data", str(parts), "--attacks", "pii"]
+        argv += ["--methods", "none,scp-delta-r-b", "--pii-n", "2", "--precision", precision]
+        assert main(argv) == 0
+        rows = json.loads((out / "results.json").read_text(encoding="utf-8"))
+        assert {"none", "scp-delta-r-b"} <= {r["method"] for r in rows}
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,21 @@ def test_serve_auto_follows_the_decision_and_cuda_keeps_its_default(home, monkey
     assert ServeConfig(precision="bf16").model_dtype("cpu") is torch.bfloat16
 
 
+def test_eval_and_serve_resolve_precision_alike(home, monkeypatch):
+    """``scpdr eval --precision`` and ``scpdr serve --precision`` load the models in the same
+    dtype (one resolver, :func:`scpdr.serve.precision.decode_dtype`)."""
+    from scpdr.serve.precision import decode_dtype
+
+    for decided in ("bf16", "fp32"):
+        monkeypatch.setenv("SCPDR_DECODE_PRECISION", decided)
+        for precision in ("auto", "fp32", "bf16"):
+            for device in ("cpu", "cuda"):
+                want = ServeConfig(precision=precision).model_dtype(device)
+                assert decode_dtype(precision, device) is want
+    monkeypatch.setenv("SCPDR_DECODE_PRECISION", "bf16")
+    assert decode_dtype("auto", "cpu") is torch.bfloat16
+
+
 def test_training_precision_variable_does_not_set_the_serving_one(home, monkeypatch):
     """SCPDR_PRECISION=bf16 (training) leaves serving's auto to its own measurement."""
     monkeypatch.setenv("SCPDR_PRECISION", "bf16")

@@ -59,9 +59,11 @@ def eval_forgotten(
     attacks: Sequence[str] = FORGOTTEN_ATTACKS,
     options: EvalOptions | None = None,
     device: str | None = None,
+    dtype: Any = None,
 ) -> list[ResultRow]:
     """The rows of ``attacks`` on the records forgotten by the bundle ``after``, against
-    ``before`` (default: the source its deletion log names) and ``after``.
+    ``before`` (default: the source its deletion log names) and ``after``, their models loaded
+    in ``dtype`` (default: :func:`scpdr.device.model_dtype`).
 
     ``methods``: result-row names (default No CP and the bundle's method). The MIA suite draws as
     many non-members as there are forgotten records of a partition, so that the rest of the
@@ -110,7 +112,9 @@ def eval_forgotten(
             singles = None
             if p != 0:  # No CP: the constituent that held the records
                 singles = {"none": mb.resolve(bundle, mb.constituents[p])}
-            scorers = load_scorers(bundle, methods, singles=singles, store=store, device=device)
+            scorers = load_scorers(
+                bundle, methods, singles=singles, store=store, device=device, dtype=dtype
+            )
             ref = scorers.unseen(p)[0]  # never saw partition p: LiRA's reference
             point = replace(opts, mia_n=len(recs), mia_population="records")
             report = run_eval(scorers, data, attacks, options=point, reference=lambda _m, r=ref: r)

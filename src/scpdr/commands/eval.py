@@ -155,6 +155,13 @@ def eval_(
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Sequences per scoring batch."),
     seed: int = typer.Option(0, "--seed", help="Seed of the canary reference sample."),
     device: str | None = typer.Option(None, "--device", help=DEVICE_HELP),
+    precision: str = typer.Option(
+        "auto",
+        "--precision",
+        help="Weights of the models attacked: fp32, bf16, or auto (what `scpdr serve "
+        "--precision auto` serves on this machine: bf16 on CUDA; on CPU bf16 where the CPU has "
+        "bf16 units and a first-use micro-benchmark finds them faster, else fp32).",
+    ),
     budgets: str | None = typer.Option(
         None,
         "--budgets",
@@ -224,9 +231,11 @@ def eval_(
             methods=methods,
             options=forgotten_options,
             device=resolve_device(device),
+            dtype=_model_dtype(precision, resolve_device(device)),
         )
         return
     device = resolve_device(device)  # a bad or missing device fails before any work
+    dtype = _model_dtype(precision, device)
     attack_list = split_list(attacks, "--attacks", ", ".join(ATTACKS))
     from scpdr.commands.eval_budget import parse_values, run_budget_eval
 
@@ -297,7 +306,7 @@ def eval_(
     main_m = manifest.m if ms is None else (manifest.m if manifest.m in ms else ms[0])
     store = ModelStore()  # every model loads once, whatever the m
     scorers = load_scorers(
-        bundle, method_list, m=main_m, reference=reference, store=store, device=device
+        bundle, method_list, m=main_m, reference=reference, store=store, device=device, dtype=dtype
     )
     report = run_eval(scorers, eval_data, attack_list, options=options)
     sweeping = ms is not None and len(ms) > 1
@@ -309,7 +318,7 @@ def eval_(
             log.warning("--m %d: none of the methods is smoothed; nothing to sweep", value)
             break
         sweep = load_scorers(
-            bundle, smoothed, m=value, reference=reference, store=store, device=device
+            bundle, smoothed, m=value, reference=reference, store=store, device=device, dtype=dtype
         )
         # the secrets' chance level does not depend on m: measured once, in the main run
         point_options = replace(options, secrets_counterfactual=False)
@@ -346,6 +355,18 @@ def eval_(
         out, rows, timings, report, eval_data, method_list, main_m, ms,
         extra_tables=tables, closing=closing,
     )  # fmt: skip
+
+
+def _model_dtype(precision: str, device: str) -> Any:
+    """``--precision`` as the dtype the models load in (:func:`scpdr.serve.precision.decode_dtype`:
+    the models ``scpdr serve`` would serve here), after checking the value."""
+    from scpdr.errors import ConfigError
+    from scpdr.serve.config import PRECISIONS
+    from scpdr.serve.precision import decode_dtype
+
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return decode_dtype(precision, device)
 
 
 def _check_data(

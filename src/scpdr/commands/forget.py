@@ -96,8 +96,10 @@ def eval_forgotten_command(
     methods: str | None,
     options: Any,
     device: str | None,
+    dtype: Any = None,
 ) -> None:
-    """``scpdr eval B2 --forgotten``: the rows, DIR/results.json, and the verdict lines."""
+    """``scpdr eval B2 --forgotten``: the rows, DIR/results.json, and the verdict lines
+    (``dtype``: the models', from ``--precision``)."""
     from rich.console import Console
 
     from scpdr.attacks.forgotten import FORGOTTEN_ATTACKS, eval_forgotten
@@ -117,6 +119,7 @@ def eval_forgotten_command(
         attacks=attack_list,
         options=options,
         device=device,
+        dtype=dtype,
     )
     out.mkdir(parents=True, exist_ok=True)
     save_results(rows, out / "results.json")

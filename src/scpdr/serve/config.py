@@ -247,24 +247,11 @@ class ServeConfig:
         return self.replicas > 1 or self.address is not None
 
     def model_dtype(self, device: str = "cpu") -> Any:
-        """The ``dtype`` for ``ProtectedLM.from_bundle`` on ``device``: torch's float32 or
-        bfloat16 as asked; for ``auto`` None on CUDA (the device's default, bf16) and on CPU
-        bfloat16 where :func:`scpdr.serve.precision.resolve_decode_precision` picks it
-        (measured once per CPU model; ``$SCPDR_DECODE_PRECISION`` replaces it), else None (the
-        checkpoint's float32). The CPU's choice and its reason are logged at INFO."""
-        import torch
+        """The ``dtype`` for ``ProtectedLM.from_bundle`` on ``device``
+        (:func:`scpdr.serve.precision.decode_dtype` of :attr:`precision`)."""
+        from scpdr.serve.precision import decode_dtype
 
-        from scpdr.device import is_cuda
-
-        if self.precision == "auto" and is_cuda(device):
-            return None
-        from scpdr.serve.precision import resolve_decode_precision
-
-        choice = resolve_decode_precision(self.precision, device=device)
-        if self.precision == "auto":
-            logger.info("decoding precision: %s", choice.summary)
-            return torch.bfloat16 if choice.bf16 else None
-        return torch.bfloat16 if choice.bf16 else torch.float32
+        return decode_dtype(self.precision, device)
 
     def check_protection(self, method: str, *, warn: bool = True) -> None:
         """Refuse to serve ``method`` "none" (constituent 0, unprotected) unless ``unprotected``;

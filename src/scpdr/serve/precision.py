@@ -37,6 +37,7 @@ __all__ = [
     "DECODE_SHAPES",
     "ENV",
     "MIN_SPEEDUP",
+    "decode_dtype",
     "decode_micro_benchmark",
     "measure_bytes",
     "resolve_decode_precision",
@@ -149,3 +150,20 @@ def resolve_decode_precision(
         min_speedup=MIN_SPEEDUP,
         env=ENV,
     )
+
+
+def decode_dtype(precision: str, device: str = "cpu") -> torch.dtype | None:
+    """The ``dtype`` to load the models of a protected model in for ``--precision``
+    (``scpdr serve``, ``scpdr eval``): float32 or bfloat16 as asked; for ``auto`` None on CUDA
+    (the device's default, bf16) and on CPU bfloat16 where :func:`resolve_decode_precision`
+    picks it (measured once per CPU model; ``$SCPDR_DECODE_PRECISION`` replaces it), else None
+    (the checkpoint's float32). The CPU's choice and its reason are logged at INFO."""
+    from scpdr.device import is_cuda
+
+    if precision == "auto" and is_cuda(device):
+        return None
+    choice = resolve_decode_precision(precision, device=device)
+    if precision == "auto":
+        logger.info("decoding precision: %s", choice.summary)
+        return torch.bfloat16 if choice.bf16 else None
+    return torch.bfloat16 if choice.bf16 else torch.float32
