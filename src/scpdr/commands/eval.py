@@ -217,6 +217,8 @@ def eval_(
     check_out_dir(out)
     if before is not None and not forgotten:
         raise ConfigError("--before goes with --forgotten (the bundle before the deletion)")
+    device = resolve_device(device)  # a bad or missing device fails before any work
+    dtype = _model_dtype(precision, device)
     if forgotten:  # the forgotten records, before and after (scpdr.attacks.forgotten)
         from scpdr.commands.forget import eval_forgotten_command
 
@@ -230,12 +232,10 @@ def eval_(
             attacks=None if attacks == _DEFAULT_ATTACKS else attacks,
             methods=methods,
             options=forgotten_options,
-            device=resolve_device(device),
-            dtype=_model_dtype(precision, resolve_device(device)),
+            device=device,
+            dtype=dtype,
         )
         return
-    device = resolve_device(device)  # a bad or missing device fails before any work
-    dtype = _model_dtype(precision, device)
     attack_list = split_list(attacks, "--attacks", ", ".join(ATTACKS))
     from scpdr.commands.eval_budget import parse_values, run_budget_eval
 
