@@ -84,6 +84,7 @@ def test_the_per_model_runner_steps_are_bitwise_each_models_forward(parts):
         r = PerModelRunner(ms, ["a", "b"], vocab_size=49152)
         if not lean:
             r.decode_steps = [None, None]
+            r.heads = [None, None]  # each model's own forward
         return r
 
     lean, plain = runner(True), runner(False)
@@ -145,3 +146,55 @@ def test_other_models_keep_their_own_forward(parts):
     assert llama_decode_step(Custom(testing.tiny_config())) is None
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64))
     assert llama_decode_step(gpt2) is None
+
+
+def test_the_per_model_runners_head_path_is_bitwise_each_models_forward(parts):
+    """Where the runner computes a Llama model's logits itself (decoder, then its head into the
+    one output buffer), they equal the model's forward exactly: every kept-positions form
+    (all, the last, a bool mask, one position per row), with and without a cache, float32 and
+    bf16 (converted into the float32 buffer); a hooked head keeps the forward."""
+    from scpdr.runtime.runner import llama_head
+
+    tok = parts[2]
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="right")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
+    keeps = [
+        0,
+        1,
+        torch.cat([valid, valid.new_zeros(len(PROMPTS), 1)], 1),
+        mask.sum(-1, keepdim=True) - 1,
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        ms = [models.load_model(parts[0], dtype=dtype), testing.tiny_model(7).to(dtype)]
+        fast = PerModelRunner(ms, ["a", "b"], vocab_size=49152)
+        plain = PerModelRunner(ms, ["a", "b"], vocab_size=49152)
+        assert all(h is not None for h in fast.heads)
+        plain.heads = [None, None]
+        with torch.inference_mode():
+            for keep in keeps:
+                for cached in (False, True):
+                    caches = [r.new_caches() if cached else None for r in (fast, plain)]
+                    a, b = (
+                        r(ids, mask, pos, c, keep=keep)
+                        for r, c in zip((fast, plain), caches, strict=True)
+                    )
+                    assert a.dtype == torch.float32 and a.shape == b.shape
+                    assert torch.equal(a, b), (
+                        dtype,
+                        keep if isinstance(keep, int) else keep.shape,
+                        cached,
+                    )
+        # the protocol's out: the logits written into a buffer large enough, else a new tensor
+        with torch.inference_mode():
+            ref = plain(ids, mask, pos, None, keep=keeps[2])
+            buf, small = torch.full((ref.numel() + 7,), torch.nan), torch.empty(ref.numel() - 1)
+            for r in (fast, plain):
+                got = r(ids, mask, pos, None, keep=keeps[2], out=buf)
+                assert got.data_ptr() == buf.data_ptr() and torch.equal(got, ref)
+                other = r(ids, mask, pos, None, keep=keeps[2], out=small)
+                assert other.data_ptr() != small.data_ptr() and torch.equal(other, ref)
+    hooked = testing.tiny_model(3)
+    hooked.lm_head.register_forward_hook(lambda m, i, o: o + 1)
+    assert llama_head(hooked) is None and llama_head(testing.tiny_model(3)) is not None

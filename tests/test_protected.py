@@ -228,6 +228,14 @@ def test_score_chunking_does_not_change_results(parts):
     # the rule over other row counts (the forward is the same)
     torch.testing.assert_close(big.token_logprobs, small.token_logprobs, atol=RULE_TOL, rtol=0)
     torch.testing.assert_close(big.k_x, small.k_x, atol=RULE_TOL, rtol=1e-5)
+    # chunks of one row and of two (rows of other lengths) reuse one logits buffer
+    for method, variant in (("scp-delta-r", "b"), ("cp-fuse", None), ("cp-delta", None)):
+        kw = {"full": True, "t_x": True}
+        ref = _lm(parts, method, variant).score(ids, mask, **kw)
+        for elements in (1, 2 * ids.shape[1] * 49152 * (3 if variant else 2)):
+            got = _lm(parts, method, variant, score_chunk_elements=elements).score(ids, mask, **kw)
+            torch.testing.assert_close(got.logprobs, ref.logprobs, atol=RULE_TOL, rtol=0)
+            torch.testing.assert_close(got.t_x, ref.t_x, atol=RULE_TOL, rtol=1e-5)
 
 
 def test_cp_fuse_score_uses_prefix_path_logprobs(parts):

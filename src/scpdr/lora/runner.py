@@ -389,12 +389,14 @@ class StackedLoRA:
         position_ids: Tensor,
         caches: list[Any] | None = None,
         keep: int | Tensor = 0,
+        out: Tensor | None = None,
     ) -> Tensor:
         """One forward of all groups (the runner protocol, ``scpdr.runtime.runner``):
         ``input_ids``/``attention_mask``/``position_ids`` ``(B, T)`` → float32 logits
         ``(G, B, T', V)`` (T' = ``keep`` or T when ``keep`` is an int), or the positions a
         ``keep`` tensor selects (``scpdr.runtime.runner.index_positions``). ``caches`` is one of
-        :meth:`new_caches` (or None: no cache)."""
+        :meth:`new_caches` (or None: no cache). ``out`` is ignored (the stacked forward's head
+        makes the G groups' logits in one tensor already)."""
         from scpdr.runtime.runner import index_positions
 
         g, bsz = self.num_groups, input_ids.shape[0]

@@ -12,15 +12,26 @@ about aggregation; the runtime picks one in :mod:`scpdr.runtime.loading`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scpdr.runtime.decode_step import LlamaDecodeStep, is_decoding_step, llama_decode_step
 
-__all__ = ["ModelRunner", "PerModelRunner", "index_positions", "positions", "run_split"]
+__all__ = [
+    "ModelRunner",
+    "PerModelRunner",
+    "index_positions",
+    "llama_head",
+    "logits_buffer",
+    "positions",
+    "project",
+    "run_split",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +65,7 @@ class ModelRunner(Protocol):
         position_ids: Tensor,
         caches: list[Any] | None = None,
         keep: int | Tensor = 0,
+        out: Tensor | None = None,
     ) -> Tensor:
         """Logits of every model, float32.
 
@@ -63,8 +75,63 @@ class ModelRunner(Protocol):
             keep: an int n keeps the last n positions (0 = all) → ``(G, B, T', V)``; a bool
                 ``(B, T)`` tensor keeps those positions → ``(G, N, V)``; a long ``(B, 1)``
                 tensor keeps one position per row → ``(G, B, 1, V)``.
+            out: a float32 buffer the runner may write the logits into (its first elements)
+                instead of allocating them: the result is then a view of it, overwritten when
+                the buffer is passed again. A runner may ignore it; it does where the buffer is
+                too small or on another device.
         """
         ...
+
+
+def llama_head(model: nn.Module) -> nn.Linear | None:
+    """``model``'s lm head when its forward is exactly ``LlamaForCausalLM.forward`` (the
+    decoder's last hidden states at the kept positions through a bias-free ``nn.Linear``, no
+    hooks): then :class:`PerModelRunner` runs the decoder and the head itself, the head's matmul
+    writing into the runner's output (:func:`project`); else None."""
+    from transformers.models.llama import modeling_llama as ml
+
+    head = getattr(model, "lm_head", None)
+    ok = (
+        type(model) is ml.LlamaForCausalLM
+        and type(getattr(model, "model", None)) is ml.LlamaModel
+        and type(head) is nn.Linear
+        and head.bias is None
+        and not head._forward_hooks
+        and not head._forward_pre_hooks
+        and not model._forward_hooks
+        and not model._forward_pre_hooks
+        and not hasattr(head, "_hf_hook")  # accelerate's offloading hooks
+    )
+    return head if ok else None
+
+
+def project(head: nn.Linear, hidden: Tensor, out: Tensor) -> None:
+    """``out`` (float32, ``(*lead, V)``) = ``head(hidden)``: a float32 head's matmul writes into
+    ``out`` (the same floats as ``F.linear``: tested); another dtype's, or one under autograd, is
+    converted or copied into it."""
+    w = head.weight
+    grad = torch.is_grad_enabled() and (w.requires_grad or hidden.requires_grad)
+    if w.dtype == out.dtype == hidden.dtype and out.is_contiguous() and not grad:
+        torch.mm(hidden.reshape(-1, hidden.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+    else:
+        out.copy_(F.linear(hidden, w))
+
+
+def logits_buffer(shape: tuple[int, ...], device: torch.device, scratch: Tensor | None) -> Tensor:
+    """A float32 tensor of ``shape`` on ``device``: a view of ``scratch``'s first elements where
+    it is a float32 buffer there large enough (the runner protocol's ``out``), else new. A
+    buffer reused over teacher-forced scoring's chunks is paged in once: at 8 x 128 tokens a
+    fresh 225 MB of logits per chunk cost ~55 ms of page faults each (docs/performance.md)."""
+    n = math.prod(shape)
+    if (
+        scratch is not None
+        and scratch.dtype == torch.float32
+        and scratch.device == device
+        and scratch.is_contiguous()
+        and scratch.numel() >= n
+    ):
+        return scratch.view(-1)[:n].view(shape)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def positions(mask: Tensor) -> Tensor:
@@ -88,7 +155,10 @@ class PerModelRunner:
 
     The lm head runs only at the kept positions when a model accepts ``logits_to_keep``
     tensors; a model that does not (some architectures take ints only) is remembered and its
-    full logits are indexed instead.
+    full logits are indexed instead. Every model's logits land in one ``(G, ..., V)`` buffer:
+    a Llama model's head writes into it directly (:func:`llama_head`), so the G models'
+    logits are not stacked (teacher-forced scoring of 8 x 128 tokens, SCP-Δr-b: 3.5% of the
+    score; docs/performance.md); other models' logits are copied in.
     """
 
     shared_base = False
@@ -108,6 +178,14 @@ class PerModelRunner:
         self.decode_steps: list[LlamaDecodeStep | None] = [
             llama_decode_step(m) for m in self.models
         ]
+        #: Each model's lm head where the runner computes its logits from the decoder's hidden
+        #: states straight into the one output buffer (:func:`llama_head`; bitwise its
+        #: forward), or None where the model's forward runs and its logits are copied there;
+        #: set an entry to None to turn it off.
+        self.heads: list[nn.Linear | None] = [
+            h if h is not None and h.out_features == self.vocab_size else None
+            for h in map(llama_head, self.models)
+        ]
 
     def new_caches(self) -> list[Any]:
         from scpdr.runtime.kv_cache import new_cache
@@ -121,20 +199,52 @@ class PerModelRunner:
         position_ids: Tensor,
         caches: list[Any] | None = None,
         keep: int | Tensor = 0,
+        out: Tensor | None = None,
     ) -> Tensor:
-        return torch.stack(
-            [
-                self._logits(
-                    i,
-                    input_ids,
-                    attention_mask,
-                    position_ids,
-                    keep,
-                    None if caches is None else caches[i],
-                )
-                for i, model in enumerate(self.models)
-            ]
+        scratch, out = out, None  # out: (G, ..., V), every model's logits, written in place
+        for i in range(len(self.models)):
+            cache = None if caches is None else caches[i]
+            head = self.heads[i]
+            lean = self.decode_steps[i] is not None and is_decoding_step(input_ids, keep, cache)
+            if head is not None and not lean:
+                hidden = self._hidden(i, input_ids, attention_mask, position_ids, keep, cache)
+                if out is None:
+                    shape = (len(self.models), *hidden.shape[:-1], head.out_features)
+                    out = logits_buffer(shape, hidden.device, scratch)
+                project(head, hidden, out[i])
+                continue
+            logits = self._logits(i, input_ids, attention_mask, position_ids, keep, cache)
+            if out is None:
+                out = logits_buffer((len(self.models), *logits.shape), logits.device, scratch)
+            out[i] = logits
+        assert out is not None
+        return out
+
+    def _hidden(
+        self,
+        i: int,
+        input_ids: Tensor,
+        mask: Tensor,
+        position_ids: Tensor,
+        keep: int | Tensor,
+        cache: Any | None,
+    ) -> Tensor:
+        """Model ``i``'s last hidden states at the kept positions, as its forward computes
+        them before its lm head (``LlamaForCausalLM.forward``: the decoder, then transformers'
+        ``slice_logits_to_keep``)."""
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        kwargs: dict[str, Any] = (
+            {"past_key_values": cache, "use_cache": True}
+            if cache is not None
+            else {"use_cache": False}
         )
+        hidden = (
+            self.models[i]
+            .model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
+            .last_hidden_state
+        )
+        return slice_logits_to_keep(hidden, keep)
 
     def _logits(
         self,
@@ -193,8 +303,12 @@ def run_split(
     position_ids: Tensor,
     caches: list[Any] | None = None,
     keep: int | Tensor = 0,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``runner``'s logits split into ``(constituents (K', ...), base | None)``: with
-    ``has_base`` (variant 'b') the last model is the base."""
-    out = runner(input_ids, attention_mask, position_ids, caches, keep)
+    ``has_base`` (variant 'b') the last model is the base. ``out``: the protocol's buffer."""
+    if out is not None:
+        out = runner(input_ids, attention_mask, position_ids, caches, keep, out=out)
+    else:
+        out = runner(input_ids, attention_mask, position_ids, caches, keep)
     return (out[:-1], out[-1]) if has_base else (out, None)

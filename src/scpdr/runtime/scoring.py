@@ -115,11 +115,15 @@ def score(
     comp_b = torch.zeros(b, t - 1, v) if components and lm.variant == "b" else None
     if t >= 2:
         rows = max(1, lm.score_chunk_elements // (g * t * v))
+        # one logits buffer for every chunk (paged in once; the runner protocol's ``out``)
+        scratch = torch.empty(min(b, rows) * g * t * v, device=dev) if b > rows else None
         for s in range(0, b, rows):
             sl = slice(s, min(b, s + rows))
             pl = None if prompt_lengths is None else prompt_lengths[sl]
             radius = None if anchor is None else anchor[sl]
-            _score_chunk(lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b, radius)
+            _score_chunk(
+                lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b, radius, scratch
+            )
     if not (full or greedy or k_x or t_x or components or n_top or cost or base):
         return out.token_logprobs
     if components:
@@ -139,6 +143,7 @@ def _score_chunk(
     comp_l: Tensor | None,
     comp_b: Tensor | None,
     anchor: Tensor | None = None,
+    scratch: Tensor | None = None,
 ) -> None:
     b, t = ids.shape
     valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)  # (b, T-1): real context and target
@@ -146,7 +151,7 @@ def _score_chunk(
         return
     keep = torch.cat([valid, valid.new_zeros(b, 1)], dim=1)  # (b, T): positions predicting
     pos = positions(mask)  # (b, T): each real token's index in its row
-    logits, base = run_split(lm.runner, lm.variant == "b", ids, mask, pos, keep=keep)
+    logits, base = run_split(lm.runner, lm.variant == "b", ids, mask, pos, keep=keep, out=scratch)
     target = ids[:, 1:][valid]  # (N,)  logits: (K', N, V), base: (N, V) | None
     path = None
     if lm.method == "cp-fuse":
