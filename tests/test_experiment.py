@@ -431,6 +431,58 @@ def test_tiny_experiment_cache_and_selective_rerun(tiny_run, tmp_path):
     assert len(third.cached) == len(res.outcomes) - 3
 
 
+def test_precision_is_part_of_the_evaluating_stages_hashes_only_where_it_changes_the_dtype():
+    """``precision`` resolves where the plan is made: auto and fp32 load float32 on the CPU
+    (the suite pins auto's decision to fp32), so their hashes are the default's; bf16 changes
+    the attack, bounds and budget stages' hashes and nothing upstream; a bad value is refused."""
+    base = validate_config(tiny_dict())
+    keys = {s.key for s in plan(base)[0]}  # (sweep points share the main run's stage names)
+    for same in ("auto", "fp32"):
+        assert {s.key for s in plan(base.with_value("precision", same))[0]} == keys
+    bf16 = plan(base.with_value("precision", "bf16"))[0]
+    changed = [s for s in bf16 if s.key not in keys]
+    assert changed and changed == [s for s in bf16 if s.kind in ("attack", "bounds")]
+    assert all(s.inputs["dtype"] == "bfloat16" for s in changed)
+    # on CUDA bf16 is the device's default and fp32 is not (planned without a GPU)
+    cuda = base.with_value("device", "cuda")
+    assert {s.key for s in plan(cuda.with_value("precision", "bf16"))[0]} == keys
+    fp32 = [s for s in plan(cuda.with_value("precision", "fp32"))[0] if s.key not in keys]
+    assert fp32 and all(s.inputs["dtype"] == "float32" for s in fp32)
+    with pytest.raises(ConfigError, match="precision"):
+        validate_config(merged(tiny_dict(), {"precision": "fp16"}))
+
+
+def test_a_bf16_experiment_evaluates_bf16_models_over_the_cached_training(tiny_run, tmp_path):
+    """``precision: bf16`` over a finished run's cache: only the evaluating stages and the
+    report run again, and the bounds' per-position certificates come from bf16 models (they
+    differ from the float32 run's)."""
+    import shutil
+
+    import numpy as np
+
+    from scpdr.experiment import run_experiment
+    from scpdr.experiment.stages_eval import DISTRIBUTIONS_NAME
+
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run.out, out)
+    cfg = tmp_path / "tiny-bf16.yaml"
+    cfg.write_text(yaml.safe_dump(merged(tiny_dict(), {"precision": "bf16"})))
+    res = run_experiment(cfg, out, progress=False)
+    evaluating = {o.name for o in tiny_run.outcomes if o.name.startswith(("attack/", "bounds/"))}
+    assert set(res.ran) == evaluating | {"report"}
+    assert res.results_json.is_file()
+    dist = {}
+    for r in (tiny_run, res):
+        (o,) = [o for o in r.outcomes if o.name.startswith("bounds/")]
+        with np.load(o.dir / DISTRIBUTIONS_NAME) as z:
+            dist[r is res] = {k: z[k] for k in z.files}
+    assert dist[True].keys() == dist[False].keys()
+    assert any(
+        a.shape != b.shape or not np.array_equal(a, b)
+        for a, b in ((dist[False][k], dist[True][k]) for k in dist[False])
+    )
+
+
 def test_scpdr_eval_gives_the_rows_of_the_experiments_attack_stages(tiny_run, tmp_path):
     """One evaluation pipeline: ``scpdr eval`` on the experiment's own bundle and partitions,
     with the experiment's settings (LiRA: its targets as members, its p0 as reference), gives

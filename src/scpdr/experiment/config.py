@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -81,6 +81,14 @@ class ExperimentConfig(Section):
         None,
         description="where the stages run models: cpu, cuda or cuda:N (default: $SCPDR_DEVICE, "
         "else cuda when available); not part of the stage hashes",
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="the weights the attack, bounds and budget stages load the models in: what "
+        "`scpdr serve --precision` would serve (fp32, bf16, or auto: bf16 on CUDA; on CPU bf16 "
+        "where the CPU has bf16 units and they are measured faster, else fp32), resolved where "
+        "the plan is made; a dtype other than the device's default is part of those stages' "
+        "hashes",
     )
     resources: dict[str, ResourceRequest] = Field(
         default_factory=dict,

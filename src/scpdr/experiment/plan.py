@@ -67,6 +67,27 @@ def _source_fingerprint(source: str) -> str | None:
     return None
 
 
+def decode_dtype_input(precision: str, device: str | None) -> dict[str, str]:
+    """The ``dtype`` input of the attack, bounds and budget stages: ``{"dtype": "bfloat16"}``
+    (or ``"float32"``) where ``precision``, resolved here as ``scpdr serve --precision``
+    resolves it (:func:`scpdr.serve.precision.decode_dtype`), loads the models in another dtype
+    than ``device``'s default (float32 on CPU, bf16 on CUDA); else ``{}``, so that the stages'
+    hashes are those of the default."""
+    import torch
+
+    from scpdr.device import device_source, is_cuda, model_dtype
+    from scpdr.serve.precision import decode_dtype
+
+    # the device by name (a run planned here may resume where CUDA is: none is required here)
+    dev = device_source(device)[0] or ("cuda" if torch.cuda.is_available() else "cpu")
+    default = model_dtype(dev) or torch.float32
+    if is_cuda(dev):
+        chosen = torch.float32 if precision == "fp32" else default
+    else:
+        chosen = decode_dtype(precision, "cpu") or default
+    return {} if chosen == default else {"dtype": str(chosen).removeprefix("torch.")}
+
+
 def _train_inputs(cfg: ExperimentConfig) -> dict[str, Any]:
     # train.seed and train.progress are the stage's: the top-level seed, no progress bars
     train = cfg.train.model_dump(mode="json", exclude={"seed", "progress"})
@@ -187,13 +208,14 @@ def _plan_point(cfg: ExperimentConfig, base_stage: Stage | None) -> list[Stage]:
     if base_stage is not None:
         stages.append(base_stage)
     base_deps = {"base": base_stage} if base_stage is not None else {}
+    dtype_in = decode_dtype_input(cfg.precision, cfg.device)
     for corpus in cfg.corpora:
         cs = _plan_corpus(cfg, corpus, base_deps)
         stages += [cs.partitions, *cs.constituents]
         stages += [s for s in (cs.reference, cs.goldfish) if s is not None]
         stages += [*cs.dp_constituents, *cs.dp.values()]
         stages += [s for s in (cs.bundle, cs.ref_bundle) if s is not None]
-        stages += _plan_attacks(cfg, cs)
+        stages += _plan_attacks(cfg, cs, dtype_in)
         if cfg.bounds.enabled and len(cfg.bound_methods) > 0:
             deps = {"bundle": cs.bundle, "partitions": cs.partitions}
             if cs.ref_bundle is not None and cfg.bounds.v_x:
@@ -209,6 +231,7 @@ def _plan_point(cfg: ExperimentConfig, base_stage: Stage | None) -> list[Stage]:
                         "corpus": corpus.name,
                         "batch_size": cfg.attacks.batch_size,
                         "seed": cfg.seed,
+                        **dtype_in,
                     },
                     run=run_bounds,
                     deps=deps,
@@ -330,7 +353,9 @@ def _plan_dp(
         )
 
 
-def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
+def _plan_attacks(
+    cfg: ExperimentConfig, cs: _CorpusStages, dtype_in: dict[str, str]
+) -> list[Stage]:
     corpus = cs.corpus
     out: list[Stage] = []
     attacks = corpus.resolved_attacks
@@ -356,6 +381,7 @@ def _plan_attacks(cfg: ExperimentConfig, cs: _CorpusStages) -> list[Stage]:
                 inputs["holdout"] = cfg.references.holdout
             if attack == "budget":  # the sweep's members and non-members: the MIA suite's
                 inputs["mia_population"] = cfg.attacks.mia.population
+            inputs.update(dtype_in)
             deps: dict[str, Stage] = {"bundle": cs.bundle, "partitions": cs.partitions}
             # LiRA's reference: over p0
             if attack in ("mia", "budget") and cs.ref_bundle is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from scpdr.experiment.cache import StageContext
 from scpdr.experiment.stages import TARGETS_NAME, baseline_singles, load_pset
-from scpdr.experiment.stages_eval import MODEL_CACHE_SIZE
+from scpdr.experiment.stages_eval import model_store, stage_dtype
 from scpdr.io import atomic_write_json, read_json
 
 __all__ = ["BUDGET_ROWS_NAME", "run_budget"]
@@ -32,7 +32,7 @@ def run_budget(ctx: StageContext) -> None:
 
     from scpdr.attacks.budget import BudgetOptions, budget_sweep
     from scpdr.attacks.eval_data import EvalData, select
-    from scpdr.attacks.evaluation import ModelStore, load_scorers
+    from scpdr.attacks.evaluation import load_scorers
     from scpdr.device import model_dtype
     from scpdr.models import read_bundle
     from scpdr.runtime import ProtectedLM
@@ -51,9 +51,7 @@ def run_budget(ctx: StageContext) -> None:
         ref_manifest = read_bundle(ref_dir)
         reference = ref_manifest.resolve(ref_dir, ref_manifest.constituents[0])
     pop = data.mia_population(inp.get("mia_population", "auto"), cfg.get("mia_n"), seed=seed)
-    store = ctx.memo.get("models")
-    if store is None:  # the models the attack stages of this process share
-        store = ctx.memo["models"] = ModelStore(capacity=MODEL_CACHE_SIZE)
+    store, dtype = model_store(ctx), stage_dtype(ctx)
     bundle_dir = ctx.dep("bundle") / "bundle"
     singles = baseline_singles(ctx)
     scorers = load_scorers(
@@ -64,12 +62,14 @@ def run_budget(ctx: StageContext) -> None:
         singles=singles,
         store=store,
         device=ctx.config.device,
+        dtype=dtype,
     )
     refs: dict[str, Any] = {"lira": scorers.reference_of(method)}
     manifest = scorers.manifest
     if manifest.base is not None:
         ref = manifest.resolve(bundle_dir, manifest.base)
-        base = store.model(ref, dtype=model_dtype(scorers.device), device=scorers.device)
+        dtype = dtype if dtype is not None else model_dtype(scorers.device)
+        base = store.model(ref, dtype=dtype, device=scorers.device)
         refs["ref"] = ProtectedLM.from_model(base, scorers.tokenizer)
     options = BudgetOptions(
         budgets=tuple(None if b is None else float(b) for b in cfg["budgets"]),

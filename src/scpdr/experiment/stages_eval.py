@@ -21,9 +21,11 @@ __all__ = [
     "DISTRIBUTIONS_NAME",
     "ROWS_NAME",
     "attack_options",
+    "model_store",
     "run_attack",
     "run_bounds",
     "run_report",
+    "stage_dtype",
 ]
 
 ROWS_NAME = "rows.json"
@@ -32,7 +34,7 @@ MODEL_CACHE_SIZE = 6
 """Models an executor process keeps loaded across stages (a corpus's constituents, base, p0)."""
 
 
-def _store(ctx: StageContext) -> ModelStore:
+def model_store(ctx: StageContext) -> ModelStore:
     """The model store the stages of this process share (stages of one corpus share models)."""
     from scpdr.attacks.evaluation import ModelStore
 
@@ -40,6 +42,16 @@ def _store(ctx: StageContext) -> ModelStore:
     if store is None:
         store = ctx.memo["models"] = ModelStore(capacity=MODEL_CACHE_SIZE)
     return store
+
+
+def stage_dtype(ctx: StageContext) -> Any:
+    """The dtype the stage loads its models in: its ``dtype`` input (the experiment's
+    ``precision`` where it differs from the device's default: ``plan.decode_dtype_input``), else
+    None (the device's default)."""
+    import torch
+
+    name = ctx.stage.inputs.get("dtype")
+    return None if name is None else getattr(torch, name)
 
 
 def attack_options(
@@ -109,8 +121,9 @@ def run_attack(ctx: StageContext) -> None:
         m=int(inp.get("m", ctx.config.m)),
         reference=reference,
         singles=singles,
-        store=_store(ctx),
+        store=model_store(ctx),
         device=ctx.config.device,
+        dtype=stage_dtype(ctx),
     )
     seed, bs = int(inp["seed"]), int(inp["batch_size"])
     rows: list[dict[str, Any]] = []
@@ -167,14 +180,18 @@ def run_bounds(ctx: StageContext) -> None:
     bs = max(1, min(int(inp["batch_size"]), 4))
     # one scorer whose components carry the constituents' and the base model's log-probs
     through = smoothing_method("model")
-    dev = ctx.config.device
-    scorers = load_scorers(bundle_dir, [through], m=m, store=_store(ctx), device=dev)
+    dev, dtype = ctx.config.device, stage_dtype(ctx)
+    scorers = load_scorers(
+        bundle_dir, [through], m=m, store=model_store(ctx), device=dev, dtype=dtype
+    )
     scorer = scorers[through]
     base_vector = load_constant_base(bundle_dir, read_bundle(bundle_dir))
     ref = None
     if "ref_bundle" in ctx.deps:  # its components[0] is p0
         ref_dir = ctx.dep("ref_bundle") / "bundle"
-        ref = load_scorers(ref_dir, ["cp-delta"], m=m, store=_store(ctx), device=dev)["cp-delta"]
+        ref = load_scorers(
+            ref_dir, ["cp-delta"], m=m, store=model_store(ctx), device=dev, dtype=dtype
+        )["cp-delta"]
     tx = ["t_x"] if bcfg.t_x else []
     common = {"methods": methods, "m": m, "base_vector": base_vector, "batch_size": bs}
     rows: list[dict[str, Any]] = []
