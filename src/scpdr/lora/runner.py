@@ -397,7 +397,7 @@ class StackedLoRA:
         ``keep`` tensor selects (``scpdr.runtime.runner.index_positions``). ``caches`` is one of
         :meth:`new_caches` (or None: no cache). ``out`` is ignored (the stacked forward's head
         makes the G groups' logits in one tensor already)."""
-        from scpdr.runtime.runner import index_positions
+        from scpdr.runtime.runner import cache_kwargs, index_positions
 
         g, bsz = self.num_groups, input_ids.shape[0]
         cache = None if caches is None else caches[0]
@@ -408,17 +408,12 @@ class StackedLoRA:
             if lean is not None and is_decoding_step(ids, keep, cache):
                 logits = lean(ids, mask, pos, cache)  # (G·B, 1, V)
             else:
-                kwargs: dict[str, Any] = (
-                    {"past_key_values": cache, "use_cache": True}
-                    if cache is not None
-                    else {"use_cache": False}
-                )
                 logits = self.model(
                     input_ids=ids,
                     attention_mask=mask,
                     position_ids=pos,
                     logits_to_keep=keep if isinstance(keep, int) else 0,
-                    **kwargs,
+                    **cache_kwargs(cache),
                 ).logits
         logits = logits.float()  # (G·B, T', V)
         logits = logits.view(g, bsz, *logits.shape[1:])

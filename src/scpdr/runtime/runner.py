@@ -25,6 +25,7 @@ from scpdr.runtime.decode_step import LlamaDecodeStep, is_decoding_step, llama_d
 __all__ = [
     "ModelRunner",
     "PerModelRunner",
+    "cache_kwargs",
     "index_positions",
     "llama_head",
     "logits_buffer",
@@ -134,6 +135,13 @@ def logits_buffer(shape: tuple[int, ...], device: torch.device, scratch: Tensor 
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+def cache_kwargs(cache: Any | None) -> dict[str, Any]:
+    """A forward's cache arguments: grow ``cache``, or run without one."""
+    if cache is None:
+        return {"use_cache": False}
+    return {"past_key_values": cache, "use_cache": True}
+
+
 def positions(mask: Tensor) -> Tensor:
     """Position ids from a 0/1 attention mask ``(B, T)``, as HF generate makes them."""
     pos = mask.long().cumsum(-1) - 1
@@ -207,7 +215,12 @@ class PerModelRunner:
             head = self.heads[i]
             lean = self.decode_steps[i] is not None and is_decoding_step(input_ids, keep, cache)
             if head is not None and not lean:
-                hidden = self._hidden(i, input_ids, attention_mask, position_ids, keep, cache)
+                inputs = {
+                    "input_ids": input_ids,
+                    "attention_mask": attention_mask,
+                    "position_ids": position_ids,
+                }
+                hidden = self._hidden(i, inputs, keep, cache)
                 if out is None:
                     shape = (len(self.models), *hidden.shape[:-1], head.out_features)
                     out = logits_buffer(shape, hidden.device, scratch)
@@ -221,29 +234,15 @@ class PerModelRunner:
         return out
 
     def _hidden(
-        self,
-        i: int,
-        input_ids: Tensor,
-        mask: Tensor,
-        position_ids: Tensor,
-        keep: int | Tensor,
-        cache: Any | None,
+        self, i: int, inputs: dict[str, Tensor], keep: int | Tensor, cache: Any | None
     ) -> Tensor:
-        """Model ``i``'s last hidden states at the kept positions, as its forward computes
+        """Model ``i``'s last hidden states at the kept positions (``inputs``: the forward's
+        ``input_ids``, ``attention_mask`` and ``position_ids``), as its forward computes
         them before its lm head (``LlamaForCausalLM.forward``: the decoder, then transformers'
         ``slice_logits_to_keep``)."""
         from transformers.modeling_utils import slice_logits_to_keep
 
-        kwargs: dict[str, Any] = (
-            {"past_key_values": cache, "use_cache": True}
-            if cache is not None
-            else {"use_cache": False}
-        )
-        hidden = (
-            self.models[i]
-            .model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
-            .last_hidden_state
-        )
+        hidden = self.models[i].model(**inputs, **cache_kwargs(cache)).last_hidden_state
         return slice_logits_to_keep(hidden, keep)
 
     def _logits(
@@ -258,11 +257,7 @@ class PerModelRunner:
         model, lean = self.models[i], self.decode_steps[i]
         if lean is not None and is_decoding_step(input_ids, keep, cache):
             return lean(input_ids, mask, position_ids, cache).float()
-        kwargs: dict[str, Any] = (
-            {"past_key_values": cache, "use_cache": True}
-            if cache is not None
-            else {"use_cache": False}
-        )
+        kwargs = cache_kwargs(cache)
 
         def run(k: int | Tensor) -> Tensor:
             out = model(
