@@ -41,8 +41,12 @@ __all__ = ["METHODS", "SCORE_CHUNK_ELEMENTS", "ProtectedLM"]
 #: Methods ProtectedLM runs: the aggregation rules of :data:`scpdr.methods.RULES`.
 METHODS: tuple[str, ...] = methods.RULES
 #: Default bound on the floats held at once by :meth:`ProtectedLM.score` (the (K+1)·B·T·V logits):
-#: 2^26 float32 = 256 MiB; longer batches are processed in row chunks.
-SCORE_CHUNK_ELEMENTS = 1 << 26
+#: 2^27 float32 = 512 MiB; longer batches are processed in row chunks, all in one buffer. Fewer
+#: chunks score faster (8 x 128 tokens, SCP-Δr-b: 0.292 of one forward's speed in chunks of 3
+#: rows at 2^26, 0.304 in chunks of 7 at 2^27, 0.312 in one chunk), for a higher peak (the score
+#: adds 335 MiB at 2^26, 712 MiB at 2^27; 466 MiB at 2^26 while the runner stacked a second copy
+#: of the logits); docs/performance.md.
+SCORE_CHUNK_ELEMENTS = 1 << 27
 
 _GENERAL = (
     "models given one by one (ProtectedLM(...)): one forward per model; "
