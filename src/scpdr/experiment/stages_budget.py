@@ -33,9 +33,7 @@ def run_budget(ctx: StageContext) -> None:
     from scpdr.attacks.budget import BudgetOptions, budget_sweep
     from scpdr.attacks.eval_data import EvalData, select
     from scpdr.attacks.evaluation import load_scorers
-    from scpdr.device import model_dtype
     from scpdr.models import read_bundle
-    from scpdr.runtime import ProtectedLM
 
     inp = ctx.stage.inputs
     method, corpus, cfg = inp["method"], inp["corpus"], inp["config"]
@@ -51,7 +49,6 @@ def run_budget(ctx: StageContext) -> None:
         ref_manifest = read_bundle(ref_dir)
         reference = ref_manifest.resolve(ref_dir, ref_manifest.constituents[0])
     pop = data.mia_population(inp.get("mia_population", "auto"), cfg.get("mia_n"), seed=seed)
-    store, dtype = model_store(ctx), stage_dtype(ctx)
     bundle_dir = ctx.dep("bundle") / "bundle"
     singles = baseline_singles(ctx)
     scorers = load_scorers(
@@ -60,17 +57,13 @@ def run_budget(ctx: StageContext) -> None:
         m=int(inp.get("m", ctx.config.m)),
         reference=reference,
         singles=singles,
-        store=store,
+        store=model_store(ctx),
         device=ctx.config.device,
-        dtype=dtype,
+        dtype=stage_dtype(ctx),
     )
     refs: dict[str, Any] = {"lira": scorers.reference_of(method)}
-    manifest = scorers.manifest
-    if manifest.base is not None:
-        ref = manifest.resolve(bundle_dir, manifest.base)
-        dtype = dtype if dtype is not None else model_dtype(scorers.device)
-        base = store.model(ref, dtype=dtype, device=scorers.device)
-        refs["ref"] = ProtectedLM.from_model(base, scorers.tokenizer)
+    if scorers.base is not None:  # the bundle's base alone, from the same store and dtype
+        refs["ref"] = scorers.base
     options = BudgetOptions(
         budgets=tuple(None if b is None else float(b) for b in cfg["budgets"]),
         utility_n=None,  # drawn here, with the pipeline's subset rule

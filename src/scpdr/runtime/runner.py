@@ -210,16 +210,12 @@ class PerModelRunner:
         out: Tensor | None = None,
     ) -> Tensor:
         scratch, out = out, None  # out: (G, ..., V), every model's logits, written in place
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         for i in range(len(self.models)):
             cache = None if caches is None else caches[i]
             head = self.heads[i]
             lean = self.decode_steps[i] is not None and is_decoding_step(input_ids, keep, cache)
             if head is not None and not lean:
-                inputs = {
-                    "input_ids": input_ids,
-                    "attention_mask": attention_mask,
-                    "position_ids": position_ids,
-                }
                 hidden = self._hidden(i, inputs, keep, cache)
                 if out is None:
                     shape = (len(self.models), *hidden.shape[:-1], head.out_features)
