@@ -5,6 +5,8 @@ its forward."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -198,3 +200,38 @@ def test_the_per_model_runners_head_path_is_bitwise_each_models_forward(parts):
     hooked = testing.tiny_model(3)
     hooked.lm_head.register_forward_hook(lambda m, i, o: o + 1)
     assert llama_head(hooked) is None and llama_head(testing.tiny_model(3)) is not None
+
+
+def test_the_per_model_runners_heads_in_two_steps_are_its_logits(parts):
+    """``hidden_states`` then ``project_heads`` give exactly the runner's logits at a bool
+    ``keep``, float32 and bf16, and over slices of the positions (what teacher-forced scoring
+    does, chunk by chunk) the same up to the head matmul's rounding over another row count; a
+    runner that does not run every head says so and refuses."""
+    tok = parts[2]
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
+    keep = torch.cat([valid, valid.new_zeros(len(PROMPTS), 1)], 1)
+    n = int(keep.sum())
+    for dtype in (torch.float32, torch.bfloat16):
+        ms = [models.load_model(parts[0], dtype=dtype), testing.tiny_model(7)]
+        runner = PerModelRunner(ms, ["a", "b"], vocab_size=49152)
+        assert runner.splits_heads
+        with torch.inference_mode():
+            ref = runner(ids, mask, pos, None, keep=keep)  # (G, N, V)
+            hidden = runner.hidden_states(ids, mask, pos, keep)
+            assert [tuple(h.shape) for h in hidden] == [(n, 32)] * 2
+            for cuts in ([0, n], [0, 1, n], [0, 3, n - 2, n]):
+                for a, b in itertools.pairwise(cuts):
+                    out = torch.full((2, b - a, 49152), torch.nan)
+                    got = runner.project_heads([h[a:b] for h in hidden], out)
+                    assert got is out, (dtype, a, b)
+                    if b - a == n:
+                        assert torch.equal(got, ref), dtype
+                    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # the head's dtype's rounding
+                    torch.testing.assert_close(got, ref[:, a:b], rtol=tol, atol=tol)
+        runner.heads[1] = None
+        assert not runner.splits_heads
+        with pytest.raises(ValueError, match="'b'"):
+            runner.hidden_states(ids, mask, pos, keep)

@@ -228,14 +228,23 @@ def test_score_chunking_does_not_change_results(parts):
     # the rule over other row counts (the forward is the same)
     torch.testing.assert_close(big.token_logprobs, small.token_logprobs, atol=RULE_TOL, rtol=0)
     torch.testing.assert_close(big.k_x, small.k_x, atol=RULE_TOL, rtol=1e-5)
-    # chunks of one row and of two (rows of other lengths) reuse one logits buffer
+    # chunks of one row and of two (rows of other lengths) reuse one logits buffer; with the
+    # runner running every head itself the decoders run over several chunks' rows at once
+    # (one row per decoder run at 1 element), else every chunk runs its forwards
+    lengths = mask.sum(-1).clamp(max=2)  # CP-Fuse's path from each row's third token
     for method, variant in (("scp-delta-r", "b"), ("cp-fuse", None), ("cp-delta", None)):
-        kw = {"full": True, "t_x": True}
+        kw = {"full": True, "t_x": True, "prompt_lengths": lengths}
         ref = _lm(parts, method, variant).score(ids, mask, **kw)
-        for elements in (1, 2 * ids.shape[1] * 49152 * (3 if variant else 2)):
-            got = _lm(parts, method, variant, score_chunk_elements=elements).score(ids, mask, **kw)
-            torch.testing.assert_close(got.logprobs, ref.logprobs, atol=RULE_TOL, rtol=0)
-            torch.testing.assert_close(got.t_x, ref.t_x, atol=RULE_TOL, rtol=1e-5)
+        g = 3 if variant else 2
+        for split in (True, False):
+            for elements in (1, ids.shape[1] * 49152 * g, 2 * ids.shape[1] * 49152 * g):
+                lm = _lm(parts, method, variant, score_chunk_elements=elements)
+                if not split:
+                    lm.runner.heads = [None] * g
+                assert lm.runner.splits_heads is split
+                got = lm.score(ids, mask, **kw)
+                torch.testing.assert_close(got.logprobs, ref.logprobs, atol=RULE_TOL, rtol=0)
+                torch.testing.assert_close(got.t_x, ref.t_x, atol=RULE_TOL, rtol=1e-5)
 
 
 def test_cp_fuse_score_uses_prefix_path_logprobs(parts):

@@ -40,13 +40,15 @@ __all__ = ["METHODS", "SCORE_CHUNK_ELEMENTS", "ProtectedLM"]
 
 #: Methods ProtectedLM runs: the aggregation rules of :data:`scpdr.methods.RULES`.
 METHODS: tuple[str, ...] = methods.RULES
-#: Default bound on the floats held at once by :meth:`ProtectedLM.score` (the (K+1)·B·T·V logits):
-#: 2^27 float32 = 512 MiB; longer batches are processed in row chunks, all in one buffer. Fewer
-#: chunks score faster (8 x 128 tokens, SCP-Δr-b: 0.292 of one forward's speed in chunks of 3
-#: rows at 2^26, 0.304 in chunks of 7 at 2^27, 0.312 in one chunk), for a higher peak (the score
-#: adds 335 MiB at 2^26, 712 MiB at 2^27; 466 MiB at 2^26 while the runner stacked a second copy
-#: of the logits); docs/performance.md.
-SCORE_CHUNK_ELEMENTS = 1 << 27
+#: Default bound on the floats of logits held at once by :meth:`ProtectedLM.score` (the G models'
+#: (G, N, V) at N positions): 2^26 float32 = 256 MiB; longer batches are processed in chunks of
+#: rows, all in one buffer. The general runner (``PerModelRunner.splits_heads``) runs each
+#: decoder once over G times as many rows and only the heads per chunk, so small chunks cost
+#: little (8 x 128 tokens, SCP-Δr-b: 0.326 of one forward's speed at 2^26, 0.321 at 2^27, 0.312
+#: at 2^25); the aggregation and certificates at a chunk's positions hold several times its
+#: logits again (with k_x and t_x the score adds 775 MiB to the process at 2^26, 1.8 GiB at
+#: 2^27, 230 MiB at 2^25); docs/performance.md.
+SCORE_CHUNK_ELEMENTS = 1 << 26
 
 _GENERAL = (
     "models given one by one (ProtectedLM(...)): one forward per model; "
@@ -67,7 +69,8 @@ class ProtectedLM:
         method: a name of :data:`METHODS`.
         m: smoothing level of the SCP methods (Alg. 1; paper default 10).
         names: model names for error messages.
-        score_chunk_elements: bound on the floats of logits held at once by :meth:`score`.
+        score_chunk_elements: bound on the floats of logits held at once by :meth:`score` (at
+            least one row's; :data:`SCORE_CHUNK_ELEMENTS`).
         runner: what runs the models (:class:`~scpdr.runtime.runner.ModelRunner`; its
             ``models`` must be the models run here, in order); default one forward per model.
         fast_path: why this runner (:attr:`fast_path`); derived from ``runner`` when omitted.

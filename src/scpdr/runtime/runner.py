@@ -229,6 +229,42 @@ class PerModelRunner:
         assert out is not None
         return out
 
+    @property
+    def splits_heads(self) -> bool:
+        """Whether the runner computes every model's head itself (:attr:`heads`): then
+        :meth:`hidden_states` and :meth:`project_heads` give :meth:`__call__`'s logits in two
+        steps, and teacher-forced scoring runs each decoder once over many rows while holding
+        the logits of a few positions at a time (``scpdr.runtime.scoring``)."""
+        return all(h is not None for h in self.heads)
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: Tensor
+    ) -> list[Tensor]:
+        """Every model's last hidden states at the bool ``keep`` ``(B, T)`` positions (each
+        ``(N, H)``, no cache), as its forward computes them before the head; with
+        :attr:`splits_heads` only (ValueError otherwise)."""
+        if not self.splits_heads:
+            off = [n for n, h in zip(self.names, self.heads, strict=True) if h is None]
+            raise ValueError(f"the runner does not run the heads of {off}: call it instead")
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return [self._hidden(i, inputs, keep, None) for i in range(len(self.models))]
+
+    def project_heads(self, hidden: Sequence[Tensor], out: Tensor) -> Tensor:
+        """``out`` ``(G, n, V)`` float32 = every model's head over its ``hidden[i]`` ``(n, H)``
+        (from :meth:`hidden_states`, any slice of the positions): the logits :meth:`__call__`
+        returns at those positions, bitwise for all of them (a slice's matmul over fewer rows
+        may round differently). Returns ``out``."""
+        if len(hidden) != len(self.models) or out.shape[0] != len(self.models):
+            raise ValueError(
+                f"one hidden-state tensor and one out row per model ({len(self.models)})"
+            )
+        for i, h in enumerate(hidden):
+            head = self.heads[i]
+            if head is None:
+                raise ValueError(f"the runner does not run {self.names[i]}'s head")
+            project(head, h, out[i])
+        return out
+
     def _hidden(
         self, i: int, inputs: dict[str, Tensor], keep: int | Tensor, cache: Any | None
     ) -> Tensor:

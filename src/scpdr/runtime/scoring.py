@@ -19,7 +19,7 @@ With ``anchor`` each row's positions are scored under its base-anchored distribu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from torch import Tensor
 from scpdr import naf
 from scpdr.runtime import modes
 from scpdr.runtime.outputs import PromptLogprobs, ScoreComponents, ScoreOutput
-from scpdr.runtime.runner import positions, run_split
+from scpdr.runtime.runner import logits_buffer, positions, run_split
 
 __all__ = ["check_prompt_lengths", "prompt_logprobs", "prompt_logprobs_modes", "score"]
 
@@ -114,15 +114,12 @@ def score(
     comp_l = torch.zeros(n_cons, b, t - 1, v) if components else None
     comp_b = torch.zeros(b, t - 1, v) if components and lm.variant == "b" else None
     if t >= 2:
-        rows = max(1, lm.score_chunk_elements // (g * t * v))
-        # one logits buffer for every chunk (paged in once; the runner protocol's ``out``)
-        scratch = torch.empty(min(b, rows) * g * t * v, device=dev) if b > rows else None
-        for s in range(0, b, rows):
-            sl = slice(s, min(b, s + rows))
+        for sl, logits, base_logits in _chunks(lm, ids, mask):
             pl = None if prompt_lengths is None else prompt_lengths[sl]
             radius = None if anchor is None else anchor[sl]
+            chunk = (logits, base_logits)
             _score_chunk(
-                lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b, radius, scratch
+                lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b, radius, *chunk
             )
     if not (full or greedy or k_x or t_x or components or n_top or cost or base):
         return out.token_logprobs
@@ -130,6 +127,57 @@ def score(
         assert comp_l is not None
         out.components = ScoreComponents(comp_l, comp_b if lm.variant == "b" else lm.base_vector)
     return out
+
+
+def _valid(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(valid (B, T-1), keep (B, T))``: the positions whose context and target are real
+    tokens, and the positions predicting them."""
+    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
+    return valid, torch.cat([valid, valid.new_zeros(valid.shape[0], 1)], dim=1)
+
+
+def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor, Tensor | None]]:
+    """``(rows, constituents' logits (K', N, V), base's (N, V) | None)`` of ``ids``' rows in
+    chunks holding at most ``lm.score_chunk_elements`` logits (at least one row a chunk; rows
+    without a valid position skipped), all in one reused buffer (the runner protocol's ``out``).
+
+    Where the runner computes every model's head itself (``PerModelRunner.splits_heads``), each
+    decoder runs once over as many rows as one model's logits would fill the bound with, and
+    only the heads run per chunk: the decoders' cost does not grow with the number of chunks
+    (8 x 128 tokens, SCP-Δr-b: docs/performance.md). Other runners run whole chunks."""
+    b, t = ids.shape
+    runner, has_base = lm.runner, lm.variant == "b"
+    g, v, budget = len(runner.models), lm.vocab_size, lm.score_chunk_elements
+    split = bool(getattr(runner, "splits_heads", False))
+    rows = max(1, budget // ((1 if split else g) * t * v))  # rows a decoder runs at once
+    scratch: Tensor | None = None
+    for s in range(0, b, rows):
+        sl = slice(s, min(b, s + rows))
+        valid, keep = _valid(mask[sl])
+        if not bool(valid.any()):
+            continue
+        pos = positions(mask[sl])
+        if not split:
+            if scratch is None and b > rows:
+                scratch = torch.empty(rows * g * t * v, device=ids.device)
+            yield sl, *run_split(runner, has_base, ids[sl], mask[sl], pos, keep=keep, out=scratch)
+            continue
+        hidden = runner.hidden_states(ids[sl], mask[sl], pos, keep)  # G x (N, H)
+        counts = valid.sum(-1).tolist()
+        cap = max(1, budget // (g * v))  # positions whose logits one chunk holds
+        first, start = 0, 0  # the chunk's first row (in sl) and its first position
+        while first < len(counts):
+            last, n = first + 1, counts[first]
+            while last < len(counts) and n + counts[last] <= cap:
+                n, last = n + counts[last], last + 1
+            if n:
+                if scratch is None or scratch.numel() < g * n * v:
+                    scratch = torch.empty(g * n * v, device=ids.device)
+                out = logits_buffer((g, n, v), ids.device, scratch)
+                runner.project_heads([h[start : start + n] for h in hidden], out)
+                rows_sl = slice(s + first, s + last)
+                yield rows_sl, *((out[:-1], out[-1]) if has_base else (out, None))
+            first, start = last, start + n
 
 
 def _score_chunk(
@@ -142,16 +190,15 @@ def _score_chunk(
     out: ScoreOutput,
     comp_l: Tensor | None,
     comp_b: Tensor | None,
-    anchor: Tensor | None = None,
-    scratch: Tensor | None = None,
+    anchor: Tensor | None,
+    logits: Tensor,
+    base: Tensor | None,
 ) -> None:
+    """Rows ``sl``'s aggregation, certificates and charges into ``out``, from their logits at
+    the valid positions (``logits (K', N, V)``, ``base (N, V) | None``)."""
     b, t = ids.shape
-    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)  # (b, T-1): real context and target
-    if not bool(valid.any()):
-        return
-    keep = torch.cat([valid, valid.new_zeros(b, 1)], dim=1)  # (b, T): positions predicting
+    valid, _ = _valid(mask)
     pos = positions(mask)  # (b, T): each real token's index in its row
-    logits, base = run_split(lm.runner, lm.variant == "b", ids, mask, pos, keep=keep, out=scratch)
     target = ids[:, 1:][valid]  # (N,)  logits: (K', N, V), base: (N, V) | None
     path = None
     if lm.method == "cp-fuse":
