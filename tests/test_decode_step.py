@@ -235,3 +235,32 @@ def test_the_per_model_runners_heads_in_two_steps_are_its_logits(parts):
         assert not runner.splits_heads
         with pytest.raises(ValueError, match="'b'"):
             runner.hidden_states(ids, mask, pos, keep)
+
+
+def test_the_shared_base_runners_heads_in_two_steps_are_its_logits(parts):
+    """The same for the LoRA stack: one stacked decoder forward, then the stacked head over
+    any slices of the positions, give its logits at a bool ``keep`` (up to the head's
+    rounding over another row count); a hooked base is not split."""
+    tok = parts[2]
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
+    keep = torch.cat([valid, valid.new_zeros(len(PROMPTS), 1)], 1)
+    n = int(keep.sum())
+    stack = _stack(parts, lean=True)
+    assert stack.splits_heads
+    with torch.inference_mode():
+        ref = stack(ids, mask, pos, None, keep=keep)  # (G, N, V)
+        hidden = stack.hidden_states(ids, mask, pos, keep)
+        assert [tuple(h.shape) for h in hidden] == [(n, 32)] * 3
+        for cuts in ([0, n], [0, 1, n], [0, 3, n - 2, n]):
+            for a, b in itertools.pairwise(cuts):
+                got = stack.project_heads([h[a:b] for h in hidden])
+                assert got.dtype == torch.float32 and got.shape == (3, b - a, 49152)
+                torch.testing.assert_close(got, ref[:, a:b], rtol=1e-5, atol=1e-5)
+    hook = stack.model.register_forward_hook(lambda *args: None)
+    assert not stack.splits_heads
+    with pytest.raises(ValueError, match="not a plain Llama"):
+        stack.hidden_states(ids, mask, pos, keep)
+    hook.remove()

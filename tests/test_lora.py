@@ -191,6 +191,39 @@ def test_fast_path_matches_general_path(lora, stacks, k, method, variant):
     _assert_same(fast, general, lora["tok"])
 
 
+@pytest.mark.parametrize(("method", "variant"), [("scp-delta-r", "b"), ("cp-fuse", None)])
+def test_fast_path_scores_in_chunks_as_in_one(lora, stacks, method, variant):
+    """The stack runs its decoder once and its stacked head (adapters on it included) chunk by
+    chunk (``splits_heads``): chunks of one and of two rows score as one chunk, CP-Fuse's
+    prompt-aware path included; a stack whose base is hooked (its forward not Llama's own)
+    runs whole chunks, with the same score."""
+    fast = _fast(lora, stacks, 2, method, variant)
+    assert fast.runner.splits_heads
+    enc = _encode(lora["tok"], "left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    kw = {"full": True, "t_x": True, "prompt_lengths": mask.sum(-1).clamp(max=2)}
+    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
+    ref = fast.score(ids, mask, **kw)
+    g = 3 if variant else 2
+    hook = None
+    try:
+        for split in (True, False):
+            if not split:
+                hook = fast.runner.model.register_forward_hook(lambda *args: None)
+            assert fast.runner.splits_heads is split
+            for elements in (1, 2 * ids.shape[1] * 49152 * g):
+                fast.score_chunk_elements = elements
+                got = fast.score(ids, mask, **kw)
+                torch.testing.assert_close(
+                    got.logprobs[valid], ref.logprobs[valid], atol=ATOL, rtol=0
+                )
+                torch.testing.assert_close(got.t_x, ref.t_x, atol=ATOL, rtol=1e-4)
+    finally:
+        if hook is not None:
+            hook.remove()
+    assert fast.runner.splits_heads
+
+
 def test_from_bundle_detects_lora_constituents(lora, caplog):
     with caplog.at_level(logging.INFO, logger="scpdr.lora"):
         lm = ProtectedLM.from_bundle(lora["bundle"], method="scp-delta-r")

@@ -382,6 +382,43 @@ class StackedLoRA:
         """One KV cache for the stacked batch (a list, as the runner protocol returns them)."""
         return [new_stacked_cache(self.num_groups)]
 
+    @property
+    def splits_heads(self) -> bool:
+        """Whether the base's forward is exactly Llama's (decoder, then head:
+        ``scpdr.runtime.runner.llama_forward``): then :meth:`hidden_states` and
+        :meth:`project_heads` give :meth:`__call__`'s logits in two steps (teacher-forced
+        scoring runs the stacked decoder once over many rows and the head chunk by chunk, at the
+        kept positions only)."""
+        from scpdr.runtime.runner import llama_forward
+
+        return llama_forward(self.model)
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: Tensor
+    ) -> list[Tensor]:
+        """Every group's last hidden states at the bool ``keep`` ``(B, T)`` positions (each
+        ``(N, H)``; one stacked decoder forward, no cache); with :attr:`splits_heads` only."""
+        if not self.splits_heads:
+            raise ValueError(f"{type(self.model).__name__} is not a plain Llama: call the runner")
+        g, bsz = self.num_groups, input_ids.shape[0]
+        ids, mask, pos = (t.repeat(g, 1) for t in (input_ids, attention_mask, position_ids))
+        with self._stacked():
+            hidden = self.model.model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False
+            ).last_hidden_state  # (G·B, T, H)
+        return list(hidden.view(g, bsz, *hidden.shape[1:])[:, keep])
+
+    def project_heads(self, hidden: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+        """Every group's logits ``(G, n, V)`` float32 from its ``hidden[g]`` ``(n, H)`` (from
+        :meth:`hidden_states`, any slice of the positions): the stacked head over the G groups'
+        rows, as :meth:`__call__` runs it (up to the matmul's rounding over another row count).
+        ``out`` is ignored (the stacked head makes one tensor already)."""
+        if len(hidden) != self.num_groups:
+            raise ValueError(f"one hidden-state tensor per group ({self.num_groups})")
+        with self._stacked():
+            logits = self.model.lm_head(torch.cat(list(hidden)))  # (G·n, V)
+        return logits.float().view(self.num_groups, -1, logits.shape[-1])
+
     def __call__(
         self,
         input_ids: Tensor,

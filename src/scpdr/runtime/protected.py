@@ -42,12 +42,12 @@ __all__ = ["METHODS", "SCORE_CHUNK_ELEMENTS", "ProtectedLM"]
 METHODS: tuple[str, ...] = methods.RULES
 #: Default bound on the floats of logits held at once by :meth:`ProtectedLM.score` (the G models'
 #: (G, N, V) at N positions): 2^26 float32 = 256 MiB; longer batches are processed in chunks of
-#: rows, all in one buffer. The general runner (``PerModelRunner.splits_heads``) runs each
-#: decoder once over G times as many rows and only the heads per chunk, so small chunks cost
-#: little (8 x 128 tokens, SCP-Δr-b: 0.326 of one forward's speed at 2^26, 0.321 at 2^27, 0.312
-#: at 2^25); the aggregation and certificates at a chunk's positions hold several times its
-#: logits again (with k_x and t_x the score adds 775 MiB to the process at 2^26, 1.8 GiB at
-#: 2^27, 230 MiB at 2^25); docs/performance.md.
+#: rows, all in one buffer. A runner that splits the heads off (``splits_heads``: both runners,
+#: for Llama models) runs each decoder once over G times as many rows and only the heads per
+#: chunk, so small chunks cost little (8 x 128 tokens, SCP-Δr-b: 0.326 of one forward's speed
+#: at 2^26, 0.321 at 2^27, 0.312 at 2^25); the aggregation and certificates at a chunk's
+#: positions hold several times its logits again (with k_x and t_x the score adds 775 MiB to
+#: the process at 2^26, 1.8 GiB at 2^27, 230 MiB at 2^25); docs/performance.md.
 SCORE_CHUNK_ELEMENTS = 1 << 26
 
 _GENERAL = (

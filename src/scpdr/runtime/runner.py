@@ -27,6 +27,7 @@ __all__ = [
     "PerModelRunner",
     "cache_kwargs",
     "index_positions",
+    "llama_forward",
     "llama_head",
     "logits_buffer",
     "positions",
@@ -84,25 +85,32 @@ class ModelRunner(Protocol):
         ...
 
 
-def llama_head(model: nn.Module) -> nn.Linear | None:
-    """``model``'s lm head when its forward is exactly ``LlamaForCausalLM.forward`` (the
-    decoder's last hidden states at the kept positions through a bias-free ``nn.Linear``, no
-    hooks): then :class:`PerModelRunner` runs the decoder and the head itself, the head's matmul
-    writing into the runner's output (:func:`project`); else None."""
+def llama_forward(model: nn.Module) -> bool:
+    """Whether ``model``'s forward is exactly ``LlamaForCausalLM.forward`` (its decoder
+    ``model.model``, then ``model.lm_head`` at the kept positions; no hooks on the model or its
+    head, none of accelerate's): a runner may then run the two steps itself."""
     from transformers.models.llama import modeling_llama as ml
 
     head = getattr(model, "lm_head", None)
-    ok = (
+    return (
         type(model) is ml.LlamaForCausalLM
         and type(getattr(model, "model", None)) is ml.LlamaModel
-        and type(head) is nn.Linear
-        and head.bias is None
+        and isinstance(head, nn.Module)
         and not head._forward_hooks
         and not head._forward_pre_hooks
         and not model._forward_hooks
         and not model._forward_pre_hooks
         and not hasattr(head, "_hf_hook")  # accelerate's offloading hooks
     )
+
+
+def llama_head(model: nn.Module) -> nn.Linear | None:
+    """``model``'s lm head when its forward is exactly ``LlamaForCausalLM.forward``
+    (:func:`llama_forward`) and the head a bias-free ``nn.Linear``: then
+    :class:`PerModelRunner` runs the decoder and the head itself, the head's matmul writing into
+    the runner's output (:func:`project`); else None."""
+    head = getattr(model, "lm_head", None)
+    ok = llama_forward(model) and type(head) is nn.Linear and head.bias is None
     return head if ok else None
 
 
@@ -253,7 +261,8 @@ class PerModelRunner:
         """``out`` ``(G, n, V)`` float32 = every model's head over its ``hidden[i]`` ``(n, H)``
         (from :meth:`hidden_states`, any slice of the positions): the logits :meth:`__call__`
         returns at those positions, bitwise for all of them (a slice's matmul over fewer rows
-        may round differently). Returns ``out``."""
+        may round differently). Returns ``out`` (a runner with these two methods returns the
+        logits, in ``out`` where it can: ``scpdr.lora.StackedLoRA`` does not)."""
         if len(hidden) != len(self.models) or out.shape[0] != len(self.models):
             raise ValueError(
                 f"one hidden-state tensor and one out row per model ({len(self.models)})"

@@ -141,15 +141,18 @@ def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor,
     chunks holding at most ``lm.score_chunk_elements`` logits (at least one row a chunk; rows
     without a valid position skipped), all in one reused buffer (the runner protocol's ``out``).
 
-    Where the runner computes every model's head itself (``PerModelRunner.splits_heads``), each
-    decoder runs once over as many rows as one model's logits would fill the bound with, and
-    only the heads run per chunk: the decoders' cost does not grow with the number of chunks
-    (8 x 128 tokens, SCP-Δr-b: docs/performance.md). Other runners run whole chunks."""
+    Where the runner runs every model's head itself (its ``splits_heads``: ``PerModelRunner``
+    for Llama models, ``scpdr.lora.StackedLoRA`` over a Llama base), each decoder runs once
+    over as many tokens as one model's logits would fill the bound with, and only the heads
+    run per chunk, at the kept positions: the decoders' cost does not grow with the number of
+    chunks (8 x 128 tokens, SCP-Δr-b: docs/performance.md). Other runners run whole chunks."""
     b, t = ids.shape
     runner, has_base = lm.runner, lm.variant == "b"
     g, v, budget = len(runner.models), lm.vocab_size, lm.score_chunk_elements
     split = bool(getattr(runner, "splits_heads", False))
-    rows = max(1, budget // ((1 if split else g) * t * v))  # rows a decoder runs at once
+    # rows a decoder runs at once: at most budget / V tokens a call (a shared base's stacked
+    # forward runs G rows for each: larger calls ran slower per token, docs/performance.md)
+    rows = max(1, budget // ((1 if split and not runner.shared_base else g) * t * v))
     scratch: Tensor | None = None
     for s in range(0, b, rows):
         sl = slice(s, min(b, s + rows))
@@ -174,7 +177,7 @@ def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor,
                 if scratch is None or scratch.numel() < g * n * v:
                     scratch = torch.empty(g * n * v, device=ids.device)
                 out = logits_buffer((g, n, v), ids.device, scratch)
-                runner.project_heads([h[start : start + n] for h in hidden], out)
+                out = runner.project_heads([h[start : start + n] for h in hidden], out)
                 rows_sl = slice(s + first, s + last)
                 yield rows_sl, *((out[:-1], out[-1]) if has_base else (out, None))
             first, start = last, start + n
