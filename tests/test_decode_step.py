@@ -207,12 +207,7 @@ def test_the_per_model_runners_heads_in_two_steps_are_its_logits(parts):
     ``keep``, float32 and bf16, and over slices of the positions (what teacher-forced scoring
     does, chunk by chunk) the same up to the head matmul's rounding over another row count; a
     runner that does not run every head says so and refuses."""
-    tok = parts[2]
-    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
-    keep = torch.cat([valid, valid.new_zeros(len(PROMPTS), 1)], 1)
+    ids, mask, pos, keep = _scoring_batch(parts[2])
     n = int(keep.sum())
     for dtype in (torch.float32, torch.bfloat16):
         ms = [models.load_model(parts[0], dtype=dtype), testing.tiny_model(7)]
@@ -222,15 +217,14 @@ def test_the_per_model_runners_heads_in_two_steps_are_its_logits(parts):
             ref = runner(ids, mask, pos, None, keep=keep)  # (G, N, V)
             hidden = runner.hidden_states(ids, mask, pos, keep)
             assert [tuple(h.shape) for h in hidden] == [(n, 32)] * 2
-            for cuts in ([0, n], [0, 1, n], [0, 3, n - 2, n]):
-                for a, b in itertools.pairwise(cuts):
-                    out = torch.full((2, b - a, 49152), torch.nan)
-                    got = runner.project_heads([h[a:b] for h in hidden], out)
-                    assert got is out, (dtype, a, b)
-                    if b - a == n:
-                        assert torch.equal(got, ref), dtype
-                    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # the head's dtype's rounding
-                    torch.testing.assert_close(got, ref[:, a:b], rtol=tol, atol=tol)
+            for a, b in _slices(n):
+                out = torch.full((2, b - a, 49152), torch.nan)
+                got = runner.project_heads([h[a:b] for h in hidden], out)
+                assert got is out, (dtype, a, b)
+                if b - a == n:
+                    assert torch.equal(got, ref), dtype
+                tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # the head's dtype's rounding
+                torch.testing.assert_close(got, ref[:, a:b], rtol=tol, atol=tol)
         runner.heads[1] = None
         assert not runner.splits_heads
         with pytest.raises(ValueError, match="'b'"):
@@ -241,12 +235,7 @@ def test_the_shared_base_runners_heads_in_two_steps_are_its_logits(parts):
     """The same for the LoRA stack: one stacked decoder forward, then the stacked head over
     any slices of the positions, give its logits at a bool ``keep`` (up to the head's
     rounding over another row count); a hooked base is not split."""
-    tok = parts[2]
-    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
-    keep = torch.cat([valid, valid.new_zeros(len(PROMPTS), 1)], 1)
+    ids, mask, pos, keep = _scoring_batch(parts[2])
     n = int(keep.sum())
     stack = _stack(parts, lean=True)
     assert stack.splits_heads
@@ -254,13 +243,28 @@ def test_the_shared_base_runners_heads_in_two_steps_are_its_logits(parts):
         ref = stack(ids, mask, pos, None, keep=keep)  # (G, N, V)
         hidden = stack.hidden_states(ids, mask, pos, keep)
         assert [tuple(h.shape) for h in hidden] == [(n, 32)] * 3
-        for cuts in ([0, n], [0, 1, n], [0, 3, n - 2, n]):
-            for a, b in itertools.pairwise(cuts):
-                got = stack.project_heads([h[a:b] for h in hidden])
-                assert got.dtype == torch.float32 and got.shape == (3, b - a, 49152)
-                torch.testing.assert_close(got, ref[:, a:b], rtol=1e-5, atol=1e-5)
+        for a, b in _slices(n):
+            got = stack.project_heads([h[a:b] for h in hidden])
+            assert got.dtype == torch.float32 and got.shape == (3, b - a, 49152)
+            torch.testing.assert_close(got, ref[:, a:b], rtol=1e-5, atol=1e-5)
     hook = stack.model.register_forward_hook(lambda *args: None)
     assert not stack.splits_heads
     with pytest.raises(ValueError, match="not a plain Llama"):
         stack.hidden_states(ids, mask, pos, keep)
     hook.remove()
+
+
+def _scoring_batch(tok):
+    """Left-padded ``PROMPTS`` as teacher-forced scoring runs them: ``(ids, mask, position
+    ids, keep)``, ``keep`` the bool ``(B, T)`` positions predicting a real target."""
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    valid = (mask[:, :-1] == 1) & (mask[:, 1:] == 1)
+    return ids, mask, pos, torch.cat([valid, valid.new_zeros(len(PROMPTS), 1)], 1)
+
+
+def _slices(n):
+    """``(a, b)`` slices of n positions: all, then 1 + the rest, then three pieces."""
+    for cuts in ([0, n], [0, 1, n], [0, 3, n - 2, n]):
+        yield from itertools.pairwise(cuts)
