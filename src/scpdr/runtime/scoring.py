@@ -117,10 +117,10 @@ def score(
         for sl, logits, base_logits in _chunks(lm, ids, mask):
             pl = None if prompt_lengths is None else prompt_lengths[sl]
             radius = None if anchor is None else anchor[sl]
-            chunk = (logits, base_logits)
             _score_chunk(
-                lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b, radius, *chunk
-            )
+                lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b, radius,
+                logits, base_logits,
+            )  # fmt: skip
     if not (full or greedy or k_x or t_x or components or n_top or cost or base):
         return out.token_logprobs
     if components:
@@ -153,6 +153,7 @@ def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor,
     # rows a decoder runs at once: at most budget / V tokens a call (a shared base's stacked
     # forward runs G rows for each: larger calls ran slower per token, docs/performance.md)
     rows = max(1, budget // ((1 if split and not runner.shared_base else g) * t * v))
+    cap = max(1, budget // (g * v))  # positions whose logits one chunk holds (split)
     scratch: Tensor | None = None
     for s in range(0, b, rows):
         sl = slice(s, min(b, s + rows))
@@ -167,7 +168,6 @@ def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor,
             continue
         hidden = runner.hidden_states(ids[sl], mask[sl], pos, keep)  # G x (N, H)
         counts = valid.sum(-1).tolist()
-        cap = max(1, budget // (g * v))  # positions whose logits one chunk holds
         first, start = 0, 0  # the chunk's first row (in sl) and its first position
         while first < len(counts):
             last, n = first + 1, counts[first]
