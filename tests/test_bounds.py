@@ -76,6 +76,41 @@ def test_divergences_match_reference(data):
     np.testing.assert_allclose(np64(got), rmx_ref, atol=TOL)
 
 
+def _whole_tensor(div: str, log_r: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """The K-component divergences over one ``(K, *batch, V)`` tensor at once (the slow,
+    memory-hungry reference of the per-component loop)."""
+    lr, lps = torch.log_softmax(log_r.float(), -1), torch.log_softmax(logps.float(), -1)
+    d = lr - lps
+    if div == "max":
+        return d.amax(-1)
+    if div == "relative-max":
+        return d.amax(-1) - d.mean(-1)
+    return (lr.exp() * d).sum(-1)
+
+
+@SETTINGS
+@given(
+    data=inputs(),
+    div=st.sampled_from(sorted(bounds.DIVERGENCES)),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    holes=st.booleans(),
+)
+def test_divergences_one_component_at_a_time_equal_the_whole_tensor(data, div, dtype, holes):
+    """The divergences hold one component's ``(*batch, V)`` temporaries at a time; their values
+    are the whole-tensor formula's bit for bit (one thread), for bf16 inputs and -inf too."""
+    x, _, _ = data
+    log_r = x.mean(0)
+    if holes:  # tokens some distributions give probability 0
+        x = x.clone()
+        x[0, ..., 0] = -math.inf
+        log_r = log_r.clone()
+        log_r[..., 1] = -math.inf
+    log_r, x = log_r.to(dtype), x.to(dtype)
+    got = bounds.DIVERGENCES[div](log_r, x)
+    assert got.dtype == torch.float32 and tuple(got.shape) == tuple(x.shape[:-1])
+    torch.testing.assert_close(got, _whole_tensor(div, log_r, x), rtol=0, atol=0, equal_nan=True)
+
+
 def test_divergences_on_hand_made_distributions():
     p = torch.tensor([0.5, 0.5, 0.0 + 1e-30]).log()
     q = torch.tensor([0.25, 0.25, 0.5]).log()

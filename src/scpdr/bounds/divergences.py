@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from scpdr.naf import as_float32
+from scpdr.naf import as_float32, check_floating
 
 __all__ = [
     "DIVERGENCES",
@@ -66,15 +66,34 @@ def d_r(logp: Tensor, logq: Tensor) -> Tensor:
     return 0.5 * (delta - delta.mean(dim=-1, keepdim=True)).abs().mean(dim=-1)
 
 
-def _check_r_ps(log_r: Tensor, logps: Tensor, name: str) -> tuple[Tensor, Tensor]:
+def _check_r_ps(log_r: Tensor, logps: Tensor, name: str) -> Tensor:
+    """``log_softmax(log_r)``, once ``logps`` is checked to be ``(K, *log_r.shape)``."""
     lr = _lp(log_r, f"{name}: log_r")
-    lps = _lp(logps, f"{name}: logps")
-    if lps.ndim < 2 or tuple(lps.shape[1:]) != tuple(lr.shape):
+    check_floating(logps, f"{name}: logps")
+    if logps.ndim < 2 or tuple(logps.shape[1:]) != tuple(lr.shape):
         raise ValueError(
             f"{name}: logps must have shape (K, *log_r.shape) = (K, {', '.join(map(str, lr.shape))}),"
-            f" got {tuple(lps.shape)}"
+            f" got {tuple(logps.shape)}"
         )
-    return lr, lps
+    return lr
+
+
+def _per_component(
+    log_r: Tensor, logps: Tensor, name: str, reduce: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
+    """``reduce(lr, lr - log p_i)`` for each component i, stacked: ``Tensor[K, *batch]``.
+
+    One component at a time, so the temporaries are one ``(*batch, V)`` tensor, not K of
+    them: a teacher-forced score certifies hundreds of positions over the vocabulary at once.
+    Each row is normalized and reduced as in one ``(K, *batch, V)`` tensor: the same values, bit
+    for bit on one thread (torch may split a single row's sum across threads in another order).
+    """
+    lr = _check_r_ps(log_r, logps, name)
+    out = []
+    for i in range(logps.shape[0]):
+        delta = _lp(logps[i], f"{name}: logps").neg_().add_(lr)  # log r - log p_i, in place
+        out.append(reduce(lr, delta))
+    return torch.stack(out)
 
 
 def max_divergence(log_r: Tensor, logps: Tensor) -> Tensor:
@@ -84,8 +103,7 @@ def max_divergence(log_r: Tensor, logps: Tensor) -> Tensor:
         log_r: ``(*batch, V)`` log-probs of the aggregate.
         logps: ``(K, *batch, V)`` log-probs of the constituents.
     """
-    lr, lps = _check_r_ps(log_r, logps, "max_divergence")
-    return (lr - lps).amax(dim=-1)
+    return _per_component(log_r, logps, "max_divergence", lambda _, d: d.amax(dim=-1))
 
 
 def relative_max_divergence(log_r: Tensor, logps: Tensor) -> Tensor:
@@ -94,15 +112,14 @@ def relative_max_divergence(log_r: Tensor, logps: Tensor) -> Tensor:
     Shapes as :func:`max_divergence`; returns ``Tensor[K, *batch]``. With ``δ = log r - log p``
     it is ``max(δ) - mean(δ)`` (the typical probabilities cancel into the mean).
     """
-    lr, lps = _check_r_ps(log_r, logps, "relative_max_divergence")
-    delta = lr - lps  # (K, *batch, V)
-    return delta.amax(dim=-1) - delta.mean(dim=-1)
+    return _per_component(
+        log_r, logps, "relative_max_divergence", lambda _, d: d.amax(dim=-1) - d.mean(dim=-1)
+    )
 
 
 def kl_divergence(log_r: Tensor, logps: Tensor) -> Tensor:
     """``KL(r || p_i) = sum_y r(y) log r(y)/p_i(y)`` (CP-ΔKL's divergence): ``Tensor[K, *batch]``."""
-    lr, lps = _check_r_ps(log_r, logps, "kl_divergence")
-    return (lr.exp() * (lr - lps)).sum(dim=-1)
+    return _per_component(log_r, logps, "kl_divergence", lambda lr, d: d.mul_(lr.exp()).sum(-1))
 
 
 def log_typical(logp: Tensor) -> Tensor:

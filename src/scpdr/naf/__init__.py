@@ -35,7 +35,15 @@ Conventions (STYLE.md 1-5, after PEFT ``utils/merge_utils.py``):
   (:mod:`scpdr.kernels`) where they are measured faster than torch on this machine.
 """
 
-from scpdr.naf.checks import DEFAULT_M, LOG_FLOOR, as_float32, check_base, check_logps, check_m
+from scpdr.naf.checks import (
+    DEFAULT_M,
+    LOG_FLOOR,
+    as_float32,
+    check_base,
+    check_floating,
+    check_logps,
+    check_m,
+)
 from scpdr.naf.cp_fuse import (
     CP_FUSE_CHUNK_ELEMENTS,
     CP_FUSE_GRID,
@@ -74,6 +82,7 @@ __all__ = [
     "aggregate_with_components",
     "as_float32",
     "check_base",
+    "check_floating",
     "check_logps",
     "check_m",
     "cp_delta",

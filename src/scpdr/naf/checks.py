@@ -22,6 +22,11 @@ DEFAULT_M = 10
 
 def as_float32(x: Tensor, name: str) -> Tensor:
     """``x`` as float32 (no copy when it already is; the caller must not modify the result)."""
+    return check_floating(x, name).float()
+
+
+def check_floating(x: Tensor, name: str) -> Tensor:
+    """``x`` itself, once it is a floating-point tensor with a vocabulary dimension (>= 2) last."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -33,7 +38,7 @@ def as_float32(x: Tensor, name: str) -> Tensor:
         raise ValueError(
             f"{name} must have a vocabulary dimension of size >= 2 last, got shape {tuple(x.shape)}"
         )
-    return x.float()
+    return x
 
 
 def check_logps(logps: Tensor | Sequence[Tensor], method: str, *, min_k: int) -> Tensor:
