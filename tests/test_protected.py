@@ -247,6 +247,62 @@ def test_score_chunking_does_not_change_results(parts):
                 torch.testing.assert_close(got.t_x, ref.t_x, atol=RULE_TOL, rtol=1e-5)
 
 
+def test_a_row_longer_than_the_bound_is_scored_in_pieces(parts):
+    """With a bound of 2 positions' logits, every row is scored in pieces of at most 2
+    positions (the heads never run over more), and everything ``score`` returns is what one
+    chunk gives: CP-Fuse carries each row's path across its pieces (prompt-aware), and the
+    charges, alternatives, anchored values, base log-probs and components land on their rows."""
+    texts = ["My secret code is 8675", "a b", "Hello there, how are you"]
+    ids, mask = _padded(parts["tok"], texts, "right")
+    lengths = mask.sum(-1).clamp(max=3)
+    both = {"full": True, "greedy": True, "k_x": True, "t_x": True, "top_logprobs": 3}
+    both["cost"] = True
+    for method, variant, kw in (
+        ("cp-fuse", None, {"prompt_lengths": lengths}),
+        ("scp-delta-r", "b", {"anchor": [0.3, None, 2.0], "base": True, "components": True}),
+    ):
+        g = 3 if variant else 2
+        ref = _lm(parts, method, variant).score(ids, mask, **both, **kw)
+        lm = _lm(parts, method, variant, score_chunk_elements=2 * g * 49152)
+        assert lm.runner.splits_heads
+        sizes = []
+        project = lm.runner.project_heads
+
+        def spy(hidden, out, project=project, sizes=sizes):
+            sizes.append(hidden[0].shape[0])
+            return project(hidden, out)
+
+        lm.runner.project_heads = spy
+        got = lm.score(ids, mask, **both, **kw)
+        assert max(sizes) == 2 and sum(sizes) == int((mask[:, 1:] * mask[:, :-1]).sum())
+        for name in ("token_logprobs", "logprobs", "k_x", "t_x", "top_logprobs", "cost"):
+            torch.testing.assert_close(
+                getattr(got, name), getattr(ref, name), atol=RULE_TOL, rtol=1e-5
+            )
+        assert torch.equal(got.greedy, ref.greedy) and torch.equal(got.top_ids, ref.top_ids)
+        if variant:
+            for name in ("anchor", "base_token_logprobs", "base_top_logprobs"):
+                torch.testing.assert_close(
+                    getattr(got, name), getattr(ref, name), atol=RULE_TOL, rtol=1e-5
+                )
+            torch.testing.assert_close(got.components.logps, ref.components.logps)
+            torch.testing.assert_close(got.components.base, ref.components.base)
+        # echo: each prompt's own number of alternatives, charged on its own rows
+        want = _lm(parts, method, variant).prompt_logprobs(texts, top_logprobs=[3, 0, 1])
+        for a, b in zip(lm.prompt_logprobs(texts, top_logprobs=[3, 0, 1]), want, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(a.token_logprobs),
+                torch.tensor(b.token_logprobs),
+                atol=RULE_TOL,
+                rtol=0,
+            )
+            torch.testing.assert_close(
+                torch.tensor(a.cost), torch.tensor(b.cost), atol=RULE_TOL, rtol=1e-5
+            )
+            ids_of = [[t for t, _ in p] for p in a.top_logprobs]
+            assert ids_of == [[t for t, _ in p] for p in b.top_logprobs]
+
+
 def test_cp_fuse_score_uses_prefix_path_logprobs(parts):
     lm = _lm(parts, "cp-fuse")
     ids = parts["tok"](["Hello there, how"], return_tensors="pt")["input_ids"]

@@ -45,9 +45,10 @@ METHODS: tuple[str, ...] = methods.RULES
 #: rows, all in one buffer. A runner that splits the heads off (``splits_heads``: both runners,
 #: for Llama models) runs each decoder once over G times as many rows and only the heads per
 #: chunk, so small chunks cost little (8 x 128 tokens, SCP-Δr-b: 0.326 of one forward's speed
-#: at 2^26, 0.321 at 2^27, 0.312 at 2^25); the aggregation and certificates at a chunk's
-#: positions hold several times its logits again (with k_x and t_x the score adds 775 MiB to
-#: the process at 2^26, 1.8 GiB at 2^27, 230 MiB at 2^25); docs/performance.md.
+#: at 2^26, 0.321 at 2^27, 0.312 at 2^25), and scores a row longer than the bound in pieces;
+#: the aggregation and certificates at a chunk's positions hold a few times its logits again
+#: (with k_x and t_x the score adds 630 MiB to the process at 2^26, 174 MiB at 2^25; one row of
+#: 1024 tokens 769 MiB); docs/performance.md.
 SCORE_CHUNK_ELEMENTS = 1 << 26
 
 _GENERAL = (
@@ -69,8 +70,9 @@ class ProtectedLM:
         method: a name of :data:`METHODS`.
         m: smoothing level of the SCP methods (Alg. 1; paper default 10).
         names: model names for error messages.
-        score_chunk_elements: bound on the floats of logits held at once by :meth:`score` (at
-            least one row's; :data:`SCORE_CHUNK_ELEMENTS`).
+        score_chunk_elements: bound on the floats of logits held at once by :meth:`score`
+            (:data:`SCORE_CHUNK_ELEMENTS`; at least one position's, and at least one row's
+            where the runner does not split the heads off).
         runner: what runs the models (:class:`~scpdr.runtime.runner.ModelRunner`; its
             ``models`` must be the models run here, in order); default one forward per model.
         fast_path: why this runner (:attr:`fast_path`); derived from ``runner`` when omitted.

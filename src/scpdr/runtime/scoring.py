@@ -113,13 +113,17 @@ def score(
         reveal = torch.full((b,), n_top, dtype=torch.long, device=dev)
     comp_l = torch.zeros(n_cons, b, t - 1, v) if components else None
     comp_b = torch.zeros(b, t - 1, v) if components and lm.variant == "b" else None
+    # CP-Fuse's path log-probs of each row's positions in earlier chunks (a row longer than
+    # the bound is scored in pieces)
+    carry = torch.zeros(2, b, device=dev) if lm.method == "cp-fuse" else None
     if t >= 2:
-        for sl, logits, base_logits in _chunks(lm, ids, mask):
+        for sl, sel, logits, base_logits in _chunks(lm, ids, mask):
             pl = None if prompt_lengths is None else prompt_lengths[sl]
             radius = None if anchor is None else anchor[sl]
+            path0 = None if carry is None else carry[:, sl]  # a view: the chunk adds to it
             _score_chunk(
-                lm, ids[sl], mask[sl], pl, reveal[sl], sl, out, comp_l, comp_b, radius,
-                logits, base_logits,
+                lm, ids[sl], mask[sl], pl, reveal[sl], sl, sel, path0, out, comp_l, comp_b,
+                radius, logits, base_logits,
             )  # fmt: skip
     if not (full or greedy or k_x or t_x or components or n_top or cost or base):
         return out.token_logprobs
@@ -136,16 +140,21 @@ def _valid(mask: Tensor) -> tuple[Tensor, Tensor]:
     return valid, torch.cat([valid, valid.new_zeros(valid.shape[0], 1)], dim=1)
 
 
-def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor, Tensor | None]]:
-    """``(rows, constituents' logits (K', N, V), base's (N, V) | None)`` of ``ids``' rows in
-    chunks holding at most ``lm.score_chunk_elements`` logits (at least one row a chunk; rows
-    without a valid position skipped), all in one reused buffer (the runner protocol's ``out``).
+def _chunks(
+    lm: Any, ids: Tensor, mask: Tensor
+) -> Iterator[tuple[slice, Tensor, Tensor, Tensor | None]]:
+    """``(rows, positions (len(rows), T-1) bool, constituents' logits (K', N, V), base's (N, V)
+    | None)`` of ``ids``' rows in chunks holding at most ``lm.score_chunk_elements`` logits, all
+    in one reused buffer (the runner protocol's ``out``); ``N`` counts the chunk's positions.
+    Rows without a valid position are skipped.
 
     Where the runner runs every model's head itself (its ``splits_heads``: ``PerModelRunner``
     for Llama models, ``scpdr.lora.StackedLoRA`` over a Llama base), each decoder runs once
     over as many tokens as one model's logits would fill the bound with, and only the heads
     run per chunk, at the kept positions: the decoders' cost does not grow with the number of
-    chunks (8 x 128 tokens, SCP-Δr-b: docs/performance.md). Other runners run whole chunks."""
+    chunks (8 x 128 tokens, SCP-Δr-b: docs/performance.md); a row with more positions than
+    the bound holds is scored in pieces of the bound's size. Other runners run whole chunks of
+    at least one row."""
     b, t = ids.shape
     runner, has_base = lm.runner, lm.variant == "b"
     g, v, budget = len(runner.models), lm.vocab_size, lm.score_chunk_elements
@@ -155,6 +164,16 @@ def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor,
     rows = max(1, budget // ((1 if split and not runner.shared_base else g) * t * v))
     cap = max(1, budget // (g * v))  # positions whose logits one chunk holds (split)
     scratch: Tensor | None = None
+
+    def heads(hidden: list[Tensor], start: int, n: int) -> tuple[Tensor, Tensor | None]:
+        """The logits of positions ``start:start + n`` of the decoders' hidden states."""
+        nonlocal scratch
+        if scratch is None or scratch.numel() < g * n * v:
+            scratch = torch.empty(g * n * v, device=ids.device)
+        out = logits_buffer((g, n, v), ids.device, scratch)
+        out = runner.project_heads([h[start : start + n] for h in hidden], out)
+        return (out[:-1], out[-1]) if has_base else (out, None)
+
     for s in range(0, b, rows):
         sl = slice(s, min(b, s + rows))
         valid, keep = _valid(mask[sl])
@@ -164,7 +183,8 @@ def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor,
         if not split:
             if scratch is None and b > rows:
                 scratch = torch.empty(rows * g * t * v, device=ids.device)
-            yield sl, *run_split(runner, has_base, ids[sl], mask[sl], pos, keep=keep, out=scratch)
+            logits = run_split(runner, has_base, ids[sl], mask[sl], pos, keep=keep, out=scratch)
+            yield sl, valid, *logits
             continue
         hidden = runner.hidden_states(ids[sl], mask[sl], pos, keep)  # G x (N, H)
         counts = valid.sum(-1).tolist()
@@ -173,13 +193,18 @@ def _chunks(lm: Any, ids: Tensor, mask: Tensor) -> Iterator[tuple[slice, Tensor,
             last, n = first + 1, counts[first]
             while last < len(counts) and n + counts[last] <= cap:
                 n, last = n + counts[last], last + 1
-            if n:
-                if scratch is None or scratch.numel() < g * n * v:
-                    scratch = torch.empty(g * n * v, device=ids.device)
-                out = logits_buffer((g, n, v), ids.device, scratch)
-                out = runner.project_heads([h[start : start + n] for h in hidden], out)
-                rows_sl = slice(s + first, s + last)
-                yield rows_sl, *((out[:-1], out[-1]) if has_base else (out, None))
+            if n > cap:  # one row longer than the bound: pieces of `cap` positions, in order
+                cols = valid[first].nonzero()[:, 0]
+                for a in range(0, n, cap):
+                    piece = torch.zeros_like(valid[first : first + 1])
+                    piece[0, cols[a : a + cap]] = True
+                    yield (
+                        slice(s + first, s + last),
+                        piece,
+                        *heads(hidden, start + a, min(cap, n - a)),
+                    )
+            elif n:
+                yield slice(s + first, s + last), valid[first:last], *heads(hidden, start, n)
             first, start = last, start + n
 
 
@@ -190,6 +215,8 @@ def _score_chunk(
     prompt_lengths: Tensor | None,
     reveal: Tensor,
     sl: slice,
+    sel: Tensor,
+    path0: Tensor | None,
     out: ScoreOutput,
     comp_l: Tensor | None,
     comp_b: Tensor | None,
@@ -197,21 +224,26 @@ def _score_chunk(
     logits: Tensor,
     base: Tensor | None,
 ) -> None:
-    """Rows ``sl``'s aggregation, certificates and charges into ``out``, from their logits at
-    the valid positions (``logits (K', N, V)``, ``base (N, V) | None``)."""
+    """Rows ``sl``'s aggregation, certificates and charges at the positions ``sel`` (``(b,
+    T-1)``: all their valid positions, or a piece of one long row) into ``out``, from the
+    logits there (``logits (K', N, V)``, ``base (N, V) | None``). CP-Fuse: ``path0`` ``(2,
+    b)`` holds each row's path log-probs of its positions in earlier pieces, and gets this
+    chunk's added."""
     b, t = ids.shape
-    valid, _ = _valid(mask)
     pos = positions(mask)  # (b, T): each real token's index in its row
-    target = ids[:, 1:][valid]  # (N,)  logits: (K', N, V), base: (N, V) | None
+    target = ids[:, 1:][sel]  # (N,)  logits: (K', N, V), base: (N, V) | None
     path = None
     if lm.method == "cp-fuse":
+        assert path0 is not None
         tgt = naf.normalize(logits).gather(-1, target.view(1, -1, 1).expand(2, -1, 1))
         dense = torch.zeros(2, b, t - 1, device=ids.device)
-        on_path = valid  # targets that are path tokens (generated, not prompt)
+        on_path = sel  # targets that are path tokens (generated, not prompt)
         if prompt_lengths is not None:
-            on_path = valid & (pos[:, 1:] >= prompt_lengths.unsqueeze(1))
-        dense[:, valid] = tgt.squeeze(-1) * on_path[valid]  # (2, b, T-1)
-        path = (dense.cumsum(-1) - dense)[:, valid]  # exclusive prefix sums: (2, N)
+            on_path = sel & (pos[:, 1:] >= prompt_lengths.unsqueeze(1))
+        dense[:, sel] = tgt.squeeze(-1) * on_path[sel]  # (2, b, T-1)
+        path = (dense.cumsum(-1) - dense)[:, sel]  # exclusive prefix sums: (2, N)
+        path += path0[:, sel.nonzero()[:, 0]]  # plus the row's earlier pieces'
+        path0 += dense.sum(-1)
     fbase = base if base is not None else (lm.base_vector if lm.variant == "c" else None)
     need = out.k_x is not None or out.t_x is not None or out.cost is not None
     log_r, kx, tx, comps = lm.aggregator(logits, fbase, path, bounds_too=need)  # (N, V)
@@ -219,42 +251,42 @@ def _score_chunk(
     if base is not None and (anchor is not None or out.base_token_logprobs is not None):
         log_b = naf.normalize(base)
     if anchor is not None and log_b is not None:
-        c = anchor.to(ids.device)[valid.nonzero()[:, 0]]  # (N,) each position's row's radius
+        c = anchor.to(ids.device)[sel.nonzero()[:, 0]]  # (N,) each position's row's radius
         log_r, kx, tx = modes.anchored(lm.aggregator.rule, log_r, kx, tx, comps, log_b, c)
-    out.token_logprobs[sl][valid] = log_r.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    out.token_logprobs[sl][sel] = log_r.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     if out.logprobs is not None:
-        out.logprobs[sl][valid] = log_r
+        out.logprobs[sl][sel] = log_r
     if out.greedy is not None:
-        out.greedy[sl][valid] = log_r.argmax(-1)
+        out.greedy[sl][sel] = log_r.argmax(-1)
     if out.k_x is not None:
-        out.k_x[sl][valid] = kx
+        out.k_x[sl][sel] = kx
     if out.t_x is not None:
-        out.t_x[sl][valid] = tx
+        out.t_x[sl][sel] = tx
     ti = None
     if out.top_logprobs is not None and out.top_ids is not None:
         tv, ti = torch.topk(log_r, out.top_logprobs.shape[-1], dim=-1)  # (N, n)
-        out.top_logprobs[sl][valid] = tv
-        out.top_ids[sl][valid] = ti
+        out.top_logprobs[sl][sel] = tv
+        out.top_ids[sl][sel] = ti
     if out.cost is not None or out.anchor is not None:
         shown = target.unsqueeze(-1)  # (N, 1): the target, then the row's alternatives
         if ti is not None:
-            rows = valid.nonzero()[:, 0]  # (N,) the row of each position
+            rows = sel.nonzero()[:, 0]  # (N,) the row of each position
             rank = torch.arange(ti.shape[-1], device=ti.device)
             alts = ti.masked_fill(rank >= reveal[rows].unsqueeze(-1), -1)
             shown = torch.cat([shown, alts], dim=-1)
         if out.cost is not None:
             assert tx is not None
-            out.cost[sl][valid] = lm.aggregator.cost(log_r, comps, tx, shown)
+            out.cost[sl][sel] = lm.aggregator.cost(log_r, comps, tx, shown)
         if out.anchor is not None and log_b is not None:
-            out.anchor[sl][valid] = modes.base_charge(log_r, log_b, shown)
+            out.anchor[sl][sel] = modes.base_charge(log_r, log_b, shown)
     if out.base_token_logprobs is not None and log_b is not None:
-        out.base_token_logprobs[sl][valid] = log_b.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        out.base_token_logprobs[sl][sel] = log_b.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         if out.base_top_logprobs is not None and out.base_top_ids is not None:
             bv, bi = torch.topk(log_b, out.base_top_logprobs.shape[-1], dim=-1)  # (N, n)
-            out.base_top_logprobs[sl][valid] = bv
-            out.base_top_ids[sl][valid] = bi
+            out.base_top_logprobs[sl][sel] = bv
+            out.base_top_ids[sl][sel] = bi
     if comp_l is not None:
-        vc = valid.cpu()
+        vc = sel.cpu()
         comp_l[:, sl][:, vc] = torch.log_softmax(logits, dim=-1).cpu()
         if comp_b is not None and base is not None:
             comp_b[sl][vc] = torch.log_softmax(base, dim=-1).cpu()
