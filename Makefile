@@ -38,8 +38,9 @@ NUMERICS_TESTS := tests/test_kernel.py tests/test_naf.py tests/test_lora.py test
 AVX2_ENV := SCPDR_KERNEL_TARGET=x86-64-v3 SCPDR_NAF_KERNEL=1 SCPDR_GEMM_KERNEL=1 \
 	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
-# Two workers (pytest-xdist): the suite takes ~3.5 min instead of ~6 on 2 cores. --dist loadfile:
-# each test file runs whole, in order, in one worker (session fixtures are built once per worker).
+# Two workers (pytest-xdist) on the 2 cores: the suite takes 9-15 min on a 2-vCPU Cascade Lake.
+# --dist loadfile: each test file runs whole, in order, in one worker (session fixtures are built
+# once per worker).
 # Then the numerics pass (< 1 min), on x86-64 CPUs with AVX2 and FMA only (elsewhere a line says
 # it was skipped). Either pass failing fails `make test`.
 test: $(STAMP)
