@@ -193,18 +193,15 @@ def _chunks(
             last, n = first + 1, counts[first]
             while last < len(counts) and n + counts[last] <= cap:
                 n, last = n + counts[last], last + 1
+            chunk = slice(s + first, s + last)
             if n > cap:  # one row longer than the bound: pieces of `cap` positions, in order
                 cols = valid[first].nonzero()[:, 0]
                 for a in range(0, n, cap):
-                    piece = torch.zeros_like(valid[first : first + 1])
+                    piece = torch.zeros_like(valid[first:last])
                     piece[0, cols[a : a + cap]] = True
-                    yield (
-                        slice(s + first, s + last),
-                        piece,
-                        *heads(hidden, start + a, min(cap, n - a)),
-                    )
+                    yield chunk, piece, *heads(hidden, start + a, min(cap, n - a))
             elif n:
-                yield slice(s + first, s + last), valid[first:last], *heads(hidden, start, n)
+                yield chunk, valid[first:last], *heads(hidden, start, n)
             first, start = last, start + n
 
 
@@ -232,6 +229,7 @@ def _score_chunk(
     b, t = ids.shape
     pos = positions(mask)  # (b, T): each real token's index in its row
     target = ids[:, 1:][sel]  # (N,)  logits: (K', N, V), base: (N, V) | None
+    rows = sel.nonzero()[:, 0]  # (N,) the row of each position
     path = None
     if lm.method == "cp-fuse":
         assert path0 is not None
@@ -242,7 +240,7 @@ def _score_chunk(
             on_path = sel & (pos[:, 1:] >= prompt_lengths.unsqueeze(1))
         dense[:, sel] = tgt.squeeze(-1) * on_path[sel]  # (2, b, T-1)
         path = (dense.cumsum(-1) - dense)[:, sel]  # exclusive prefix sums: (2, N)
-        path += path0[:, sel.nonzero()[:, 0]]  # plus the row's earlier pieces'
+        path += path0[:, rows]  # plus the row's earlier pieces'
         path0 += dense.sum(-1)
     fbase = base if base is not None else (lm.base_vector if lm.variant == "c" else None)
     need = out.k_x is not None or out.t_x is not None or out.cost is not None
@@ -251,7 +249,7 @@ def _score_chunk(
     if base is not None and (anchor is not None or out.base_token_logprobs is not None):
         log_b = naf.normalize(base)
     if anchor is not None and log_b is not None:
-        c = anchor.to(ids.device)[sel.nonzero()[:, 0]]  # (N,) each position's row's radius
+        c = anchor.to(ids.device)[rows]  # (N,) each position's row's radius
         log_r, kx, tx = modes.anchored(lm.aggregator.rule, log_r, kx, tx, comps, log_b, c)
     out.token_logprobs[sl][sel] = log_r.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     if out.logprobs is not None:
@@ -270,7 +268,6 @@ def _score_chunk(
     if out.cost is not None or out.anchor is not None:
         shown = target.unsqueeze(-1)  # (N, 1): the target, then the row's alternatives
         if ti is not None:
-            rows = sel.nonzero()[:, 0]  # (N,) the row of each position
             rank = torch.arange(ti.shape[-1], device=ti.device)
             alts = ti.masked_fill(rank >= reveal[rows].unsqueeze(-1), -1)
             shown = torch.cat([shown, alts], dim=-1)
