@@ -182,7 +182,7 @@ def decide_precision(
     return PrecisionChoice(
         "fp32",
         requested,
-        f"{have}, but bf16 only {slowest:.2g}x fp32 in the micro-benchmark "
+        f"{have}, but bf16 only {slowest:.3g}x fp32 in the micro-benchmark "
         f"(auto takes it from {min_speedup:g}x)",
     )
 
