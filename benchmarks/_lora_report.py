@@ -13,20 +13,22 @@ BF16 = "scp-delta-r-b-bf16w"
 GOALS = {"scp-delta-r-b@B1": 0.75, "scp-delta-r-b@B8": 0.75, "memory": 1.25}
 
 
-def decode_choices(targets: list[str], *, no_bf16: bool = False) -> dict[str, Any]:
-    """Per build, the precision ``scpdr serve --precision auto`` decodes with on this CPU (a
-    :class:`scpdr.training.precision.PrecisionChoice`; ``.bf16``: bf16 base weights), from
-    :func:`scpdr.serve.precision.resolve_decode_precision` (measured once per CPU model, logged
-    with its reason), decided at this benchmark's thread count, which is part of the decision's
-    key: a server on another thread count measures for itself. Warns where ``--no-bf16`` leaves
-    the served default's speed unmeasured."""
+def decode_choices(targets: list[str], bundle: Any, *, no_bf16: bool = False) -> dict[str, Any]:
+    """Per build, the precision ``scpdr serve --precision auto`` decodes ``bundle`` with on this
+    CPU (a :class:`scpdr.training.precision.PrecisionChoice`; ``.bf16``: bf16 base weights),
+    from :func:`scpdr.serve.precision.resolve_decode_precision` for the bundle's
+    :func:`~scpdr.serve.precision.decode_form` (measured once per CPU model, logged with its
+    reason), decided at this benchmark's thread count, which is part of the decision's key: a
+    server on another thread count measures for itself. Warns where ``--no-bf16`` leaves the
+    served default's speed unmeasured."""
     from scpdr import kernels
-    from scpdr.serve.precision import resolve_decode_precision
+    from scpdr.serve.precision import decode_form, resolve_decode_precision
 
+    form = decode_form(bundle)
     out = {}
     for t in targets:
         with kernels.using_target(t):
-            out[t] = resolve_decode_precision("auto")
+            out[t] = resolve_decode_precision("auto", form=form)
         if out[t].bf16 and no_bf16:
             logger.warning(
                 "--no-bf16: the %s build is served with bf16 weights here, so its speed goals "

@@ -270,10 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 5)
     mem_rounds = args.memory_rounds or (1 if args.quick else 3)
     base, tok = models.load_base()
-    choices = decode_choices(targets, no_bf16=args.no_bf16)  # what `scpdr serve` decodes with
     tmp = tempfile.TemporaryDirectory(prefix="bench-lora-")
     root = Path(tmp.name)
     bundle = build_bundle(root, base, rank=args.rank, alpha=args.alpha)
+    # what `scpdr serve` decodes this bundle with (a LoRA stack over the embedded GGUF base)
+    choices = decode_choices(targets, bundle, no_bf16=args.no_bf16)
     lms, packed_views = {}, {}
     for target in targets:  # one fast-path model per kernel build
         suffix = "" if target == "native" else f"[{target}]"

@@ -12,7 +12,11 @@ import torch
 from scpdr import kernels
 from scpdr.serve.config import ServeConfig
 from scpdr.serve.precision import (
+    DECODE_SHAPES,
     MIN_SPEEDUP,
+    DecodeForm,
+    decode_form,
+    decode_layers,
     decode_micro_benchmark,
     measure_bytes,
     resolve_decode_precision,
@@ -81,11 +85,109 @@ def test_auto_takes_bf16_when_faster_everywhere_once_per_build(home):
     heads = sorted(k.split("|")[0] for k in json.loads(stored.read_text()))
     decoding = [h for h in heads if h.startswith("decoding")]
     assert decoding == [
-        "decoding (native build, packed GEMM auto)",
-        "decoding (native build, packed GEMM torch)",
-        "decoding (x86-64-v3 build, packed GEMM auto)",
+        "decoding (native build, packed GEMM auto, LoRA stack)",
+        "decoding (native build, packed GEMM torch, LoRA stack)",
+        "decoding (x86-64-v3 build, packed GEMM auto, LoRA stack)",
     ]
     assert len(heads) == 4  # and the training key (the CPU model first)
+
+
+def test_each_decode_form_is_a_decision_of_its_own(home):
+    """An Intel Xeon with AMX (family 6 model 167): bf16 panels 1.3x float32 panels for a LoRA
+    stack, but 0.68x / 0.77x the GGUF base's Q4_1 blocks; full models over that base 0.99x /
+    1.46x. Each form measures for itself, stores its decision, and reads it back."""
+    forms = {
+        DecodeForm(): (1.34, 1.33),
+        DecodeForm(gguf_base=True): (0.68, 0.77),
+        DecodeForm(stacked=False): (1.29, 1.90),
+        DecodeForm(stacked=False, gguf_base=True): (0.99, 1.46),
+    }
+    got = {
+        form: resolve_decode_precision(
+            "auto", flags=UNITS, form=form, measure=lambda t=t: _timings(*t)
+        ).precision
+        for form, t in forms.items()
+    }
+    assert list(got.values()) == ["bf16", "fp32", "bf16", "fp32"]
+    kernels.reset()  # a new process reads each back
+    for form, precision in got.items():
+        assert resolve_decode_precision(
+            "auto", flags=UNITS, form=form, measure=_never
+        ).precision == (precision)
+    [stored] = (home / "kernels").glob("precision*.json")
+    labels = {k.split("|")[0].rsplit(", ", 1)[-1] for k in json.loads(stored.read_text())}
+    assert labels == {f"{form.label})" for form in forms}
+
+
+def test_decode_form_of_a_bundle(tmp_path, monkeypatch):
+    """LoRA adapters over one base: a stack (over a GGUF base where the adapters' base is a
+    .gguf file); full models otherwise, with method 'none', or with the fast path off; a full
+    bundle's GGUF base counts only where the method runs the base model."""
+    from scpdr import models, testing
+    from scpdr.lora import gguf_file, save_random_lora
+
+    full = testing.make_tiny_bundle(tmp_path / "full", k=2)
+    assert decode_form(full) == DecodeForm(stacked=False, gguf_base=False)
+    assert decode_form(full, base="constant") == DecodeForm(stacked=False)
+    base = models.load_model(full / "base")
+    refs = [save_random_lora(base, tmp_path / f"a{i}", base_ref=str(full / "base"), seed=i)
+            for i in range(2)]  # fmt: skip
+    lora = models.write_bundle(tmp_path / "lora", base=full / "base", constituents=refs)
+    assert decode_form(lora) == DecodeForm(stacked=True, gguf_base=False)
+    assert decode_form(lora, method="none") == DecodeForm(stacked=False)
+    monkeypatch.setenv("SCPDR_LORA_FAST", "0")
+    assert decode_form(lora) == DecodeForm(stacked=False)
+    monkeypatch.delenv("SCPDR_LORA_FAST")
+    # the adapters' base a GGUF file: float32 would decode it from its Q4_1 blocks
+    gguf = tmp_path / "base.gguf"
+    gguf.write_bytes(b"GGUF")
+    for ref in refs:
+        cfg_file = ref / "adapter_config.json"
+        cfg = json.loads(cfg_file.read_text())
+        cfg_file.write_text(json.dumps({**cfg, "base_model_name_or_path": str(gguf)}))
+    assert decode_form(lora) == DecodeForm(stacked=True, gguf_base=True)
+    assert gguf_file(gguf) == gguf and gguf_file(full / "base") is None
+    assert DecodeForm(stacked=True, gguf_base=True).label == "LoRA stack over a GGUF base"
+
+
+def test_the_layers_timed_are_those_each_form_decodes_with(home):
+    """With the packed kernel on: a LoRA stack's base in float32 panels, bf16 panels, or (a GGUF
+    base in float32) Q4_1 blocks; full models on torch's matmuls in the dtype, but a float32
+    GGUF base (the last model) on its blocks."""
+    gemm = kernels.gemm.library()
+    if not (gemm and gemm.tiled):
+        pytest.skip("no C compiler: no packed kernel here")
+    n = len(DECODE_SHAPES)
+    with kernels.force("packed_gemm", "kernel"):
+
+        def formats(form, dtype):
+            layers, x_dtype = decode_layers(form, dtype, copies=3)
+            kinds = [
+                lin.weight_format if lin.weight_packed is not None else f"torch {lin.weight.dtype}"
+                for lin in layers
+            ]
+            return kinds, x_dtype
+
+        assert formats(DecodeForm(), torch.float32) == (["float32"] * 3 * n, torch.float32)
+        assert formats(DecodeForm(), torch.bfloat16) == (["bf16"] * 3 * n, torch.float32)
+        assert formats(DecodeForm(gguf_base=True), torch.float32) == (
+            ["q4_1"] * 3 * n,
+            torch.float32,
+        )
+        assert formats(DecodeForm(gguf_base=True), torch.bfloat16)[0] == ["bf16"] * 3 * n
+        full32 = ["torch torch.float32"] * 2 * n
+        assert formats(DecodeForm(stacked=False), torch.float32) == (
+            full32 + ["torch torch.float32"] * n,
+            torch.float32,
+        )
+        assert formats(DecodeForm(stacked=False, gguf_base=True), torch.float32) == (
+            full32 + ["q4_1"] * n,
+            torch.float32,
+        )
+        assert formats(DecodeForm(stacked=False, gguf_base=True), torch.bfloat16) == (
+            ["torch torch.bfloat16"] * 3 * n,
+            torch.bfloat16,
+        )
 
 
 def test_nothing_is_measured_without_bf16_units_or_for_an_explicit_precision(home):
@@ -136,16 +238,19 @@ def test_training_precision_variable_does_not_set_the_serving_one(home, monkeypa
 
 
 @pytest.mark.parametrize("side", ["kernel", "torch"])
-def test_micro_benchmark_times_a_decode_step_at_batch_1_and_8(side):
+@pytest.mark.parametrize("form", [DecodeForm(), DecodeForm(stacked=False, gguf_base=True)])
+def test_micro_benchmark_times_a_decode_step_at_batch_1_and_8(home, side, form):
     """Both ways a stack runs bf16 weights: bf16 panels on the packed kernel, or torch's bf16
-    layers where the kernel is not used; finite, positive times for both batch sizes."""
+    layers where the kernel is not used; full models one after the other; finite, positive
+    times for both batch sizes."""
     if side == "kernel" and not (kernels.gemm.library() and kernels.gemm.library().tiled):
         pytest.skip("no C compiler: no packed kernel here")
     with kernels.force("packed_gemm", side):
-        timings = decode_micro_benchmark(repeats=1, weight_bytes=4 << 20)
+        timings = decode_micro_benchmark(repeats=1, weight_bytes=4 << 20, form=form)
+    rows = (3, 24) if form.stacked else (1, 8)
     assert [w for w, _, _ in timings] == [
-        "decode step at batch 1 (3 rows)",
-        "decode step at batch 8 (24 rows)",
+        f"decode step at batch 1 ({rows[0]} rows)",
+        f"decode step at batch 8 ({rows[1]} rows)",
     ]
     assert all(b > 0 and f > 0 for _, b, f in timings)
 

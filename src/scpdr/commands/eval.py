@@ -17,6 +17,7 @@ methods are the main table's when that fits (a GPU, or little data), else No CP 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,7 @@ def eval_(
     if before is not None and not forgotten:
         raise ConfigError("--before goes with --forgotten (the bundle before the deletion)")
     device = resolve_device(device)  # a bad or missing device fails before any work
-    dtype = _model_dtype(precision, device)
+    dtype = _model_dtype(precision, device, bundle)
     if forgotten:  # the forgotten records, before and after (scpdr.attacks.forgotten)
         from scpdr.commands.forget import eval_forgotten_command
 
@@ -357,16 +358,18 @@ def eval_(
     )  # fmt: skip
 
 
-def _model_dtype(precision: str, device: str) -> Any:
-    """``--precision`` as the dtype the models load in (:func:`scpdr.serve.precision.decode_dtype`:
-    the models ``scpdr serve`` would serve here), after checking the value."""
+def _model_dtype(precision: str, device: str, bundle: str | os.PathLike[str]) -> Any:
+    """``--precision`` as the dtype the models load in (:func:`scpdr.serve.precision.decode_dtype`
+    for how ``bundle`` decodes with its own method: the models ``scpdr serve`` would serve
+    here), after checking the value."""
     from scpdr.errors import ConfigError
     from scpdr.serve.config import PRECISIONS
-    from scpdr.serve.precision import decode_dtype
+    from scpdr.serve.precision import decode_dtype, decode_form
 
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return decode_dtype(precision, device)
+    form = decode_form(bundle) if precision == "auto" else None
+    return decode_dtype(precision, device, form=form)
 
 
 def _check_data(

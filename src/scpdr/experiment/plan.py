@@ -67,16 +67,20 @@ def _source_fingerprint(source: str) -> str | None:
     return None
 
 
-def decode_dtype_input(precision: str, device: str | None) -> dict[str, str]:
+def decode_dtype_input(
+    precision: str, device: str | None, *, lora: bool = False, base: str = "tiny"
+) -> dict[str, str]:
     """The ``dtype`` input of the attack, bounds and budget stages: ``{"dtype": "bfloat16"}``
     (or ``"float32"``) where ``precision``, resolved here as ``scpdr serve --precision``
-    resolves it (:func:`scpdr.serve.precision.decode_dtype`), loads the models in another dtype
-    than ``device``'s default (float32 on CPU, bf16 on CUDA); else ``{}``, so that the stages'
-    hashes are those of the default."""
+    resolves it for the bundle the run trains (:func:`scpdr.serve.precision.decode_dtype`: LoRA
+    adapters over ``base`` if ``lora``, else full models with ``base`` as SCP-Δr-b's base), loads
+    the models in another dtype than ``device``'s default (float32 on CPU, bf16 on CUDA); else
+    ``{}``, so that the stages' hashes are those of the default."""
     import torch
 
     from scpdr.device import device_source, is_cuda, model_dtype
-    from scpdr.serve.precision import decode_dtype
+    from scpdr.lora import gguf_file
+    from scpdr.serve.precision import DecodeForm, decode_dtype
 
     # the device by name (a run planned here may resume where CUDA is: none is required here)
     dev = device_source(device)[0] or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,7 +88,8 @@ def decode_dtype_input(precision: str, device: str | None) -> dict[str, str]:
     if is_cuda(dev):
         chosen = torch.float32 if precision == "fp32" else default
     else:
-        chosen = decode_dtype(precision, "cpu") or default
+        form = DecodeForm(stacked=lora, gguf_base=gguf_file(base) is not None)
+        chosen = decode_dtype(precision, "cpu", form=form) or default
     return {} if chosen == default else {"dtype": str(chosen).removeprefix("torch.")}
 
 
@@ -208,7 +213,7 @@ def _plan_point(cfg: ExperimentConfig, base_stage: Stage | None) -> list[Stage]:
     if base_stage is not None:
         stages.append(base_stage)
     base_deps = {"base": base_stage} if base_stage is not None else {}
-    dtype_in = decode_dtype_input(cfg.precision, cfg.device)
+    dtype_in = decode_dtype_input(cfg.precision, cfg.device, lora=cfg.train.lora, base=cfg.base)
     for corpus in cfg.corpora:
         cs = _plan_corpus(cfg, corpus, base_deps)
         stages += [cs.partitions, *cs.constituents]

@@ -67,6 +67,7 @@ from scpdr.lora.loading import (
     CheckpointWeights,
     checkpoint_weight_source,
     fast_path_from_bundle,
+    gguf_file,
     pack_full_model,
     stacked_from_bundle,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "choose_q4",
     "choose_torch_rows",
     "fast_path_from_bundle",
+    "gguf_file",
     "new_stacked_cache",
     "pack_full_model",
     "pack_panels",

@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointWeights",
     "checkpoint_weight_source",
     "fast_path_from_bundle",
+    "gguf_file",
     "pack_full_model",
     "stacked_from_bundle",
 ]
@@ -91,24 +92,33 @@ def _canonical(ref: str) -> str:
     return str(Path(ref).resolve())
 
 
+def gguf_file(ref: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file a model ref is loaded from: the ref itself (a ``.gguf`` path), or the
+    embedded model's for ``embedded`` and its converted directory; else None (nothing is read).
+    Such a base decodes from its Q4_1 blocks in float32 where measured faster
+    (:func:`pack_full_model`, ``StackedLoRA(q4_source=...)``)."""
+    from scpdr.models import EMBEDDED, EMBEDDED_NAME, embedded_gguf_path, scpdr_home
+
+    ref = os.fspath(ref)
+    converted = (scpdr_home() / "models" / EMBEDDED_NAME).resolve()  # base_model_dir's, unbuilt
+    try:
+        if ref.lower().endswith(".gguf"):
+            return Path(ref)
+        if ref == EMBEDDED or Path(ref).resolve() == converted:
+            return embedded_gguf_path()
+    except (FileNotFoundError, ImportError, OSError) as exc:  # no embedded package here
+        logger.debug("no GGUF file for %s: %s", ref, exc)
+    return None
+
+
 def _q4_source(base: str, model: Any) -> Callable[[str], Tensor | None] | None:
     """The GGUF Q4_1 blocks of the base ``base`` (a canonical ref) where it was loaded from a
-    GGUF file: the file itself, or the embedded model's (:func:`scpdr.kernels.q4.gguf_q4_source`;
-    what they give is checked against each weight before use)."""
+    GGUF file (:func:`gguf_file`; :func:`scpdr.kernels.q4.gguf_q4_source`: what they give is
+    checked against each weight before use)."""
     from scpdr.kernels.q4 import gguf_q4_source
-    from scpdr.models import EMBEDDED, embedded_gguf_path
 
-    try:
-        if base.lower().endswith(".gguf"):
-            path = Path(base)
-        elif base == _canonical(EMBEDDED):
-            path = embedded_gguf_path()
-        else:
-            return None
-    except (FileNotFoundError, ImportError, OSError) as exc:  # no embedded package here
-        logger.debug("no GGUF blocks for %s: %s", base, exc)
-        return None
-    return gguf_q4_source(path, model.config)
+    path = gguf_file(base)
+    return None if path is None else gguf_q4_source(path, model.config)
 
 
 def stacked_from_bundle(

@@ -246,12 +246,17 @@ class ServeConfig:
         """Whether the server runs on Ray Serve (``replicas`` > 1 or an ``address``)."""
         return self.replicas > 1 or self.address is not None
 
-    def model_dtype(self, device: str = "cpu") -> Any:
+    def model_dtype(self, device: str = "cpu", bundle: str | os.PathLike[str] | None = None) -> Any:
         """The ``dtype`` for ``ProtectedLM.from_bundle`` on ``device``
-        (:func:`scpdr.serve.precision.decode_dtype` of :attr:`precision`)."""
-        from scpdr.serve.precision import decode_dtype
+        (:func:`scpdr.serve.precision.decode_dtype` of :attr:`precision`), measured for how
+        ``bundle`` decodes with this config's method and base
+        (:func:`scpdr.serve.precision.decode_form`; None: a LoRA stack)."""
+        from scpdr.serve.precision import decode_dtype, decode_form
 
-        return decode_dtype(self.precision, device)
+        form = None
+        if bundle is not None and self.precision == "auto":
+            form = decode_form(bundle, method=self.method, base=self.base)
+        return decode_dtype(self.precision, device, form=form)
 
     def check_protection(self, method: str, *, warn: bool = True) -> None:
         """Refuse to serve ``method`` "none" (constituent 0, unprotected) unless ``unprotected``;

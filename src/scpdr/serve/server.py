@@ -131,7 +131,7 @@ def load_protected(bundle: str | os.PathLike[str], config: ServeConfig, *, devic
 
     return ProtectedLM.from_bundle(
         bundle, method=config.method, m=config.m, base=config.base, device=device,
-        dtype=config.model_dtype(device),
+        dtype=config.model_dtype(device, bundle),
     )  # fmt: skip
 
 
