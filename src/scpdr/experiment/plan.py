@@ -68,7 +68,7 @@ def _source_fingerprint(source: str) -> str | None:
 
 
 def decode_dtype_input(
-    precision: str, device: str | None, *, lora: bool = False, base: str = "tiny"
+    precision: str, device: str | None, *, lora: bool, base: str
 ) -> dict[str, str]:
     """The ``dtype`` input of the attack, bounds and budget stages: ``{"dtype": "bfloat16"}``
     (or ``"float32"``) where ``precision``, resolved here as ``scpdr serve --precision``
@@ -213,7 +213,8 @@ def _plan_point(cfg: ExperimentConfig, base_stage: Stage | None) -> list[Stage]:
     if base_stage is not None:
         stages.append(base_stage)
     base_deps = {"base": base_stage} if base_stage is not None else {}
-    dtype_in = decode_dtype_input(cfg.precision, cfg.device, lora=cfg.train.lora, base=cfg.base)
+    adapters = cfg.train.lora and not cfg.train.merge_lora  # the bundle's constituents
+    dtype_in = decode_dtype_input(cfg.precision, cfg.device, lora=adapters, base=cfg.base)
     for corpus in cfg.corpora:
         cs = _plan_corpus(cfg, corpus, base_deps)
         stages += [cs.partitions, *cs.constituents]
