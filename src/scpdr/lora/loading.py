@@ -29,6 +29,7 @@ __all__ = [
     "ENV_SWITCH",
     "CheckpointWeights",
     "checkpoint_weight_source",
+    "fast_path_enabled",
     "fast_path_from_bundle",
     "gguf_file",
     "pack_full_model",
@@ -37,6 +38,11 @@ __all__ = [
 
 #: Environment variable: set to "0" to turn the fast path off (the general path is then used).
 ENV_SWITCH = "SCPDR_LORA_FAST"
+
+
+def fast_path_enabled() -> bool:
+    """Whether :data:`ENV_SWITCH` leaves the fast path on (unset, or anything but 0/false/no/off)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class CheckpointWeights:
@@ -97,14 +103,13 @@ def gguf_file(ref: str | os.PathLike[str]) -> Path | None:
     embedded model's for ``embedded`` and its converted directory; else None (nothing is read).
     Such a base decodes from its Q4_1 blocks in float32 where measured faster
     (:func:`pack_full_model`, ``StackedLoRA(q4_source=...)``)."""
-    from scpdr.models import EMBEDDED, EMBEDDED_NAME, embedded_gguf_path, scpdr_home
+    from scpdr.models import EMBEDDED, base_model_path, embedded_gguf_path
 
     ref = os.fspath(ref)
-    converted = (scpdr_home() / "models" / EMBEDDED_NAME).resolve()  # base_model_dir's, unbuilt
     try:
         if ref.lower().endswith(".gguf"):
             return Path(ref)
-        if ref == EMBEDDED or Path(ref).resolve() == converted:
+        if ref == EMBEDDED or Path(ref).resolve() == base_model_path().resolve():
             return embedded_gguf_path()
     except (FileNotFoundError, ImportError, OSError) as exc:  # no embedded package here
         logger.debug("no GGUF file for %s: %s", ref, exc)
@@ -162,7 +167,7 @@ def fast_path_from_bundle(
         logger.info("LoRA fast path off for bundle %s: %s; using the general path", path, reason)
         return None, reason
 
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not fast_path_enabled():
         return off(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}")
     if method == "none":
         return off("method 'none' runs one model (the merged adapter is as fast)")

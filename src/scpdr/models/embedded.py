@@ -34,6 +34,7 @@ __all__ = [
     "EMBEDDED_PACKAGE",
     "EMBEDDED_PIP",
     "base_model_dir",
+    "base_model_path",
     "build_dir_atomically",
     "embedded_gguf_path",
     "embedded_tokenizer_dir",
@@ -167,6 +168,12 @@ def load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     return _dequantized(model, dtype)
 
 
+def base_model_path() -> Path:
+    """Where :func:`base_model_dir` keeps the converted embedded model, built or not (nothing is
+    read or converted)."""
+    return scpdr_home() / "models" / EMBEDDED_NAME
+
+
 def base_model_dir(*, package: str | None = None) -> Path:
     """The embedded base model converted to a safetensors HF directory (with its tokenizer).
 
@@ -174,7 +181,7 @@ def base_model_dir(*, package: str | None = None) -> Path:
     and renamed, under a file lock, so a concurrent process never sees a half directory and the
     ~25 s conversion runs once.
     """
-    final = scpdr_home() / "models" / EMBEDDED_NAME
+    final = base_model_path()
     if (final / _CONVERTED_MARKER).is_file():
         return final
     gguf = embedded_gguf_path(package=package)

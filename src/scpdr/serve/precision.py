@@ -115,16 +115,15 @@ def decode_form(
     manifest and the adapters' configs only; refs that cannot be read count as full models
     without a GGUF base (loading then says what is wrong)."""
     from scpdr import methods
-    from scpdr.lora.loading import ENV_SWITCH, gguf_file
+    from scpdr.lora.loading import fast_path_enabled, gguf_file
     from scpdr.models import adapter_base_ref, read_bundle, ref_kind
 
     manifest = read_bundle(bundle)
     method = method or manifest.method
     refs = [manifest.resolve(bundle, r) for r in manifest.constituents]
-    fast = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
     try:
         kinds = [ref_kind(r) for r in refs]
-        if fast and method != "none" and kinds and all(k == "peft" for k in kinds):
+        if fast_path_enabled() and method != "none" and kinds and all(k == "peft" for k in kinds):
             common = adapter_base_ref(Path(refs[0]))
             return DecodeForm(stacked=True, gguf_base=gguf_file(common) is not None)
     except FileNotFoundError:
