@@ -33,7 +33,7 @@ demo: $(STAMP)
 # The kernel and numerics tests, run a second time as a machine with AVX2 but no AVX-512 runs
 # them: the x86-64-v3 builds of the C kernels, forced on (nothing measured picks torch), and
 # torch's and MKL's AVX2 code paths. A tolerance that holds on one instruction set only fails here.
-NUMERICS_TESTS := tests/test_kernel.py tests/test_naf.py tests/test_lora.py tests/test_lora_bf16.py tests/test_lora_q4.py \
+NUMERICS_TESTS := tests/test_kernel.py tests/test_naf.py tests/test_lora.py tests/test_lora_bf16.py tests/test_lora_q4.py tests/test_gemm_choice.py \
 	tests/test_budget.py tests/test_accountant.py tests/test_bounds.py tests/test_protected.py tests/test_sampling.py
 AVX2_ENV := SCPDR_KERNEL_TARGET=x86-64-v3 SCPDR_NAF_KERNEL=1 SCPDR_GEMM_KERNEL=1 \
 	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2

@@ -85,9 +85,9 @@ def test_auto_takes_bf16_when_faster_everywhere_once_per_build(home):
     heads = sorted(k.split("|")[0] for k in json.loads(stored.read_text()))
     decoding = [h for h in heads if h.startswith("decoding")]
     assert decoding == [
-        "decoding (native build, packed GEMM auto, LoRA stack)",
+        "decoding (native build, packed GEMM by net gain, LoRA stack)",
         "decoding (native build, packed GEMM torch, LoRA stack)",
-        "decoding (x86-64-v3 build, packed GEMM auto, LoRA stack)",
+        "decoding (x86-64-v3 build, packed GEMM by net gain, LoRA stack)",
     ]
     assert len(heads) == 4  # and the training key (the CPU model first)
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scpdr import kernels
+from scpdr import kernels, testing
 from scpdr.kernels.gemm import linear_call, unpack_panels
 from scpdr.kernels.q4 import (
     dequantize_blocks,
@@ -32,21 +32,11 @@ needs_kernel = pytest.mark.skipif(not KERNEL, reason="no C compiler: no packed k
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def random_blocks(gen: torch.Generator, n: int, k: int, scale: float = 0.05) -> torch.Tensor:
-    """Q4_1 blocks (n, k / 32, 20): float16 d > 0 and m of a trained layer's size, random q."""
-    nb = k // 32
-    d = (torch.rand(n, nb, generator=gen) * scale + 1e-4).to(torch.float16)
-    m = (-torch.rand(n, nb, generator=gen) * 8 * scale).to(torch.float16)
-    qs = torch.randint(0, 256, (n, nb, 16), generator=gen, dtype=torch.uint8)
-    scales = torch.stack([d, m], dim=-1).view(torch.uint8)  # (n, nb, 4)
-    return torch.cat([scales, qs], dim=-1).contiguous()
-
-
 def test_dequantize_is_gguf_pys():
     """The loader's own dequantization (gguf-py, which transformers calls): the same bits."""
     from gguf import GGMLQuantizationType, dequantize
 
-    blocks = random_blocks(torch.Generator().manual_seed(0), 70, 96)
+    blocks = testing.random_q4_blocks(torch.Generator().manual_seed(0), 70, 96)
     ref = dequantize(blocks.numpy().reshape(70, -1), GGMLQuantizationType.Q4_1)
     assert ref.dtype == np.float32 and ref.shape == (70, 96)
     assert torch.equal(dequantize_blocks(blocks), torch.from_numpy(ref))
@@ -55,7 +45,7 @@ def test_dequantize_is_gguf_pys():
 @pytest.mark.parametrize("width", [16, 24, 32])
 @pytest.mark.parametrize("n", [1, 24, 70])
 def test_q4_panels_hold_the_dequantized_weight(width, n):
-    blocks = random_blocks(torch.Generator().manual_seed(n), n, 64)
+    blocks = testing.random_q4_blocks(torch.Generator().manual_seed(n), n, 64)
     packed = pack_q4_panels(blocks, width)
     assert packed.dtype == torch.uint8 and packed.shape == (-(-n // width), 2, 24 * width)
     w = dequantize_blocks(blocks)
@@ -76,7 +66,7 @@ def test_q4_panels_hold_the_dequantized_weight(width, n):
 
 
 def _layers(gen, n_in, n_out, rank, lora, *, exact=True):
-    blocks = random_blocks(gen, n_out, n_in)
+    blocks = testing.random_q4_blocks(gen, n_out, n_in)
     layer = torch.nn.Linear(n_in, n_out, bias=True)
     with torch.no_grad():
         layer.weight.copy_(dequantize_blocks(blocks))
@@ -167,7 +157,7 @@ def test_embedded_gguf_blocks_are_the_loaded_weights_and_the_stack_is_bit_identi
     bit for bit."""
     from safetensors import safe_open
 
-    from scpdr import models, testing
+    from scpdr import models
     from scpdr.lora import StackedLoRA
 
     model, _ = models.load_base()

@@ -36,6 +36,7 @@ __all__ = [
     "make_tiny_bundle",
     "perturbed_copy",
     "random_lora_adapter",
+    "random_q4_blocks",
     "tiny_config",
     "tiny_model",
     "tiny_tokenizer",
@@ -137,6 +138,20 @@ def _held_out_prompts(n: int = 100) -> list[str]:
 
 HELD_OUT_PROMPTS: list[str] = _held_out_prompts()
 """100 generic held-out prompts, used for tiny bundles' constant base vector."""
+
+
+def random_q4_blocks(gen: Any, n: int, k: int, scale: float = 0.05) -> Any:
+    """GGUF Q4_1 blocks ``(n, k / 32, 20)`` of an ``n x k`` weight: float16 d > 0 and m of a
+    trained layer's size, random 4-bit q (:mod:`scpdr.kernels.q4`); ``gen`` a torch
+    ``Generator``."""
+    import torch
+
+    nb = k // 32
+    d = (torch.rand(n, nb, generator=gen) * scale + 1e-4).to(torch.float16)
+    m = (-torch.rand(n, nb, generator=gen) * 8 * scale).to(torch.float16)
+    qs = torch.randint(0, 256, (n, nb, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.stack([d, m], dim=-1).view(torch.uint8)  # (n, nb, 4)
+    return torch.cat([scales, qs], dim=-1).contiguous()
 
 
 def random_lora_adapter(

@@ -435,12 +435,13 @@ def choose(
     measure: Callable[[], Sequence[tuple[str, float, float]]],
     *,
     title: str,
+    decide: Callable[[Sequence[tuple[str, float, float]]], bool] | None = None,
 ) -> Choice:
     """Kernel or torch for the shape class ``shape`` of ``lib``: forced by :func:`policy`,
     else remembered (this process, then ``<library>.choices.json``), else ``measure()``-d —
     ``(what, kernel seconds, torch seconds)`` per case, timed in the same moment — and the
-    kernel kept only if it is faster in every case (:func:`measured_choice`). Logged once at
-    INFO as ``title``."""
+    kernel kept only if it is faster in every case, or where ``decide(timings)`` says
+    (:func:`measured_choice`). Logged once at INFO as ``title``."""
     side = policy(lib.name)
     if side != "auto":
         return Choice(side == "kernel", f"forced ({SWITCHES[lib.name]} or scpdr.kernels.force)")
@@ -450,6 +451,7 @@ def choose(
         measure,
         describe=lambda choice: _describe(title, lib, choice),
         reason="measured against torch",
+        decide=decide,
     )
 
 

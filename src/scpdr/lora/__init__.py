@@ -54,7 +54,13 @@ from scpdr.lora.adapters import (
     read_lora_adapter,
     save_random_lora,
 )
-from scpdr.lora.gemm_choice import choose_gemm, choose_q4, choose_torch_rows
+from scpdr.lora.gemm_choice import (
+    StackKernel,
+    choose_gemm,
+    choose_q4,
+    choose_stack_kernel,
+    choose_torch_rows,
+)
 from scpdr.lora.layers import (
     CHUNK_IN_FEATURES,
     TRANSPOSED_MAX_ROWS,
@@ -82,12 +88,14 @@ __all__ = [
     "LoraAdapter",
     "LoraGroupView",
     "PackedEmbedding",
+    "StackKernel",
     "StackedLoRA",
     "StackedLoraLinear",
     "UnsupportedAdapterError",
     "checkpoint_weight_source",
     "choose_gemm",
     "choose_q4",
+    "choose_stack_kernel",
     "choose_torch_rows",
     "fast_path_from_bundle",
     "gguf_file",

@@ -236,8 +236,8 @@ def pack_full_model(
     bit for bit the float32 kernel on the same weights (~3/16 of the bytes streamed); calls of
     many rows (prefill, scoring) run the original ``nn.Linear`` where torch is faster
     (:func:`scpdr.lora.gemm_choice.choose_torch_rows`), so those are the plain model's. Used
-    only where this machine measured the kernel faster than torch and the blocks faster than
-    float32 panels at the decode steps of batch 1 and 8 (:func:`~scpdr.lora.choose_gemm`,
+    only where this machine measured the kernel on the blocks faster than on float32 panels and
+    than torch at the decode steps of batch 1 and 8 (:func:`~scpdr.lora.choose_stack_kernel`,
     :func:`~scpdr.lora.choose_q4`). The original weights stay (memory-mapped from the
     checkpoint): the blocks add ~1/5 of them. ``q4_source``: ``module name -> Q4_1 blocks |
     None`` (:func:`scpdr.kernels.q4.gguf_q4_source`; default: ``ref``'s GGUF file, if any).
@@ -247,7 +247,7 @@ def pack_full_model(
     from torch import nn
 
     from scpdr.kernels.q4 import q4_exact
-    from scpdr.lora.gemm_choice import choose_gemm, choose_q4, choose_torch_rows
+    from scpdr.lora.gemm_choice import choose_stack_kernel, choose_torch_rows
     from scpdr.lora.layers import GroupMode, StackedLoraLinear, packable
 
     linears = {name: mod for name, mod in model.named_modules()  # checked before any file I/O
@@ -257,8 +257,9 @@ def pack_full_model(
         return False
     blocks = {name: found for name in linears if (found := source(name)) is not None}
     shapes = [(linears[n].in_features, linears[n].out_features, 0) for n in blocks]
-    gemm = choose_gemm(shapes, groups=1, lora=0) if shapes else None  # the kernel, where faster
-    if gemm is None or not choose_q4(gemm, shapes, groups=1, lora=0):
+    stack = choose_stack_kernel(shapes, shapes, groups=1, lora=0)  # the blocks, where faster
+    gemm = stack.gemm
+    if gemm is None or not stack.q4:
         return False
     mode = GroupMode()  # never stacked: the plain model
     packed = []

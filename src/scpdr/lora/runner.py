@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from scpdr.kernels.gemm import GemmLibrary, pack_panels
 from scpdr.lora.adapters import LoraAdapter, UnsupportedAdapterError
-from scpdr.lora.gemm_choice import choose_gemm, choose_q4, choose_torch_rows
+from scpdr.lora.gemm_choice import StackKernel, choose_stack_kernel, choose_torch_rows
 from scpdr.lora.layers import (
     GroupMode,
     PackedEmbedding,
@@ -142,7 +142,7 @@ class StackedLoRA:
             re-laid out (wide linears on CPU) are copied from there, so that the model's own
             memory-mapped copy is never paged in (peak memory as one model).
         use_kernel: run float32 CPU linears with the packed C kernel where it builds and is
-            measured faster here (:func:`scpdr.lora.gemm_choice.choose_gemm`); False (or
+            measured faster here (:func:`scpdr.lora.gemm_choice.choose_stack_kernel`); False (or
             ``SCPDR_GEMM_KERNEL=0``) keeps torch's matmuls (same results up to rounding).
         release_adapters: empty the adapters' ``LoraAdapter.modules`` once their matrices are
             copied into the stack, before the base weights are re-laid out (peak memory then
@@ -156,9 +156,10 @@ class StackedLoRA:
         q4_source: optional ``module name -> GGUF Q4_1 blocks | None`` of a base loaded from a
             GGUF file (:func:`scpdr.kernels.q4.gguf_q4_source`): with float32 weights on the
             packed kernel, where this machine runs the kernel faster on the blocks than on
-            float32 panels (:func:`scpdr.lora.gemm_choice.choose_q4`), each linear whose blocks
-            dequantize to its weight exactly streams them instead (the same results bit for
-            bit).
+            float32 panels and torch (:func:`scpdr.lora.gemm_choice.choose_q4`; also where
+            the panels lose to torch: then only the linears with blocks run on the kernel),
+            each linear whose blocks dequantize to its weight exactly streams them instead
+            (the same results bit for bit).
     """
 
     def __init__(
@@ -244,26 +245,27 @@ class StackedLoRA:
             for name, layer in named.items()
             if type(layer) is nn.Linear and name not in targets
         ]
-        gemm: GemmLibrary | None = None
-        if use_kernel:  # the packed kernel, where it is measured faster here (layers.py)
-            packs = [layer for _, layer, _ in plans + others if packable(layer.weight)]
-            ranks = {name: rank for name, _, rank in plans}
-            shapes = [(layer.in_features, layer.out_features, ranks.get(name, 0))
-                      for name, layer, _ in plans + others if packable(layer.weight)]  # fmt: skip
-            if packs:
-                gemm = choose_gemm(shapes, groups=self.num_groups, lora=self.num_lora)
         bf16 = self.weight_dtype == torch.bfloat16
+        stack = StackKernel()  # torch's matmuls, unless the packed kernel is measured faster
         q4: dict[str, Tensor] = {}  # the linears' GGUF Q4_1 blocks, each read once
-        if q4_source is not None and gemm is not None and not bf16:
-            for name, layer, _ in plans + others:
-                blocks = q4_source(name) if packable(layer.weight) else None
-                if blocks is not None:
-                    q4[name] = blocks
+        packs = [(name, layer, rank) for name, layer, rank in plans + others
+                 if packable(layer.weight)]  # fmt: skip
+        if use_kernel and packs:  # the packed kernel, where it is measured faster here
+            if q4_source is not None and not bf16:
+                for name, _, _ in packs:
+                    blocks = q4_source(name)
+                    if blocks is not None:
+                        q4[name] = blocks
+            shapes = [(layer.in_features, layer.out_features, rank) for _, layer, rank in packs]
             q4_shapes = [(layer.in_features, layer.out_features, rank)
-                         for name, layer, rank in plans + others if name in q4]  # fmt: skip
-            if q4 and not choose_q4(gemm, q4_shapes, groups=self.num_groups, lora=self.num_lora):
-                q4 = {}
-        if bf16 and gemm is None:  # torch's bf16 matmuls, as a model loaded in bf16
+                         for name, layer, rank in packs if name in q4]  # fmt: skip
+            stack = choose_stack_kernel(
+                shapes, q4_shapes, groups=self.num_groups, lora=self.num_lora
+            )
+        if not stack.q4:
+            q4 = {}
+        gemms = {name: stack.for_layer(name in q4) for name, _, _ in plans + others}
+        if bf16 and stack.gemm is None:  # torch's bf16 matmuls, as a model loaded in bf16
             logger.info("bf16 weights without the packed kernel: the base runs in torch's bf16")
             to_bf16(self.model, weight_source)
         emb = self.model.get_input_embeddings()
@@ -273,7 +275,7 @@ class StackedLoRA:
         # Only now modify the model. The adapters' matrices first, then (release_adapters) the
         # adapters' own tensors go: they share one memory map per file, freed only with the last.
         matrices = {
-            name: self._lora_matrices(groups, name, layer, rank, _width(gemm, layer))
+            name: self._lora_matrices(groups, name, layer, rank, _width(gemms[name], layer))
             for name, layer, rank in plans
         }
         if self._release:
@@ -287,6 +289,7 @@ class StackedLoRA:
         packed_layers: dict[str, list[StackedLoraLinear]] = {}  # by weight format
         for name in order:
             layer = self.model.get_submodule(name)
+            gemm = gemms.pop(name)
             packed = _width(gemm, layer) is not None
             # a head tied to the input embeddings is read from the checkpoint under their name
             tied = emb_weight is not None and layer.weight is emb_weight
@@ -304,10 +307,14 @@ class StackedLoRA:
             if tied and wrapped.weight_packed is not None and wrapped.weight_format != "q4_1":
                 tied_head = wrapped
         for fmt, layers in packed_layers.items():  # many rows: torch's sgemm where faster
-            assert gemm is not None  # packed layers
+            assert stack.gemm is not None  # packed layers
             fmt_shapes = [(lin.in_features, lin.out_features, lin.rank) for lin in layers]
             many = choose_torch_rows(
-                gemm, fmt_shapes, groups=self.num_groups, lora=self.num_lora, weight_format=fmt
+                stack.gemm,
+                fmt_shapes,
+                groups=self.num_groups,
+                lora=self.num_lora,
+                weight_format=fmt,
             )
             for lin in layers:
                 lin.torch_rows = many

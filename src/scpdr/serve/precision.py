@@ -162,19 +162,19 @@ def _stacked_layers(
 ) -> tuple[list[nn.Module], torch.dtype]:
     """``copies`` x :data:`DECODE_SHAPES` stacked layers, built as :class:`StackedLoRA` builds
     them for a base in ``dtype``: on the packed kernel where the stack would use it (float32
-    panels, the GGUF base's Q4_1 blocks where ``q4`` and :func:`~scpdr.lora.choose_q4` takes
-    them, or bf16 panels), else torch's layers in ``dtype``; and the dtype of their inputs."""
-    from scpdr.lora.gemm_choice import choose_gemm, choose_q4, synthetic_layer
+    panels, the GGUF base's Q4_1 blocks where ``q4`` and
+    :func:`~scpdr.lora.choose_stack_kernel` takes them, or bf16 panels), else torch's layers in
+    ``dtype``; and the dtype of their inputs."""
+    from scpdr.lora.gemm_choice import choose_stack_kernel, synthetic_layer
 
-    gemm = choose_gemm(list(DECODE_SHAPES), groups=GROUPS, lora=LORA)
+    shapes = list(DECODE_SHAPES)
+    blocks = shapes if q4 and dtype == torch.float32 else []
+    stack = choose_stack_kernel(shapes, blocks, groups=GROUPS, lora=LORA)
+    gemm = stack.for_layer(bool(blocks))
     on_torch, panels = (torch.float32, dtype) if gemm is not None else (dtype, torch.float32)
-    blocks = (
-        q4 and dtype == torch.float32 and gemm is not None
-        and choose_q4(gemm, list(DECODE_SHAPES), groups=GROUPS, lora=LORA)
-    )  # fmt: skip
     layers = [
         synthetic_layer(
-            s, LORA, gemm, groups=GROUPS, dtype=on_torch, weight_dtype=panels, q4=bool(blocks)
+            s, LORA, gemm, groups=GROUPS, dtype=on_torch, weight_dtype=panels, q4=stack.q4
         )
         for _ in range(copies)
         for s in DECODE_SHAPES
@@ -186,13 +186,15 @@ def _full_layers(copies: int, dtype: torch.dtype, q4: bool) -> tuple[list[nn.Mod
     """SCP-Δr-b over full models (:func:`scpdr.lora.pack_full_model`): two fine-tunes' and the
     base's linears, ``copies`` x :data:`DECODE_SHAPES` in all, one model at a time on torch's
     matmuls in ``dtype``, except a float32 base on its Q4_1 blocks where ``q4`` and the packed
-    kernel measured them faster (:func:`~scpdr.lora.choose_gemm`, :func:`~scpdr.lora.choose_q4`
-    at one group); and the dtype of their inputs."""
-    from scpdr.lora.gemm_choice import choose_gemm, choose_q4, synthetic_layer
+    kernel measured them faster than float32 panels and torch
+    (:func:`~scpdr.lora.choose_stack_kernel` at one group); and the dtype of their inputs."""
+    from scpdr.lora.gemm_choice import StackKernel, choose_stack_kernel, synthetic_layer
 
     shapes = [(i, o, 0) for i, o, _ in DECODE_SHAPES]
-    gemm = choose_gemm(shapes, groups=1, lora=0) if q4 and dtype == torch.float32 else None
-    blocks = gemm is not None and choose_q4(gemm, shapes, groups=1, lora=0)
+    stack = StackKernel()  # the base on torch's matmuls, unless on its blocks
+    if q4 and dtype == torch.float32:
+        stack = choose_stack_kernel(shapes, shapes, groups=1, lora=0)
+    gemm, blocks = stack.gemm, stack.q4
     per_model = max(1, copies // GROUPS)
     layers = [
         synthetic_layer(s, 0, gemm if base and blocks else None, groups=1, dtype=dtype,
@@ -263,6 +265,8 @@ def resolve_decode_precision(
 
     form = form or DecodeForm()
     gemm = kernels.policy(kernels.gemm.NAME)
+    if gemm == "auto":  # measured by gains_outweigh_losses: decisions under the rule before
+        gemm = "by net gain"  # (the kernel faster at both batch sizes) are not reused
     return resolve_precision(
         requested,
         device=device,
