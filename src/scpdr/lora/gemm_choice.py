@@ -368,8 +368,7 @@ def choose_stack_kernel(
     if lib is None and q4_shapes and kernels.policy(kernels.gemm.NAME) == "auto":
         found = kernels.gemm.library()  # the panels lost to torch: the blocks may still win
         lib = found if found is not None and found.tiled else None
-    q4 = bool(q4_shapes) and lib is not None
-    q4 = q4 and choose_q4(lib, q4_shapes, groups=groups, lora=lora)
+    q4 = lib is not None and bool(q4_shapes) and choose_q4(lib, q4_shapes, groups=groups, lora=lora)
     if gemm is None and not q4:
         return StackKernel()
     return StackKernel(lib, panels=gemm is not None, q4=q4)
