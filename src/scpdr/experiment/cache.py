@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from scpdr.errors import ScpdrError
+from scpdr.experiment.peak import sampled_peak
 from scpdr.io import atomic_write_json, read_json
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -219,6 +220,7 @@ class StageOutcome:
     status: Literal["ran", "cached"]
     seconds: float
     dir: Path
+    peak_mib: float | None = None  # the resident set's sampled peak while it ran (ran only)
 
 
 class StageCache:
@@ -250,9 +252,10 @@ class StageCache:
         memo: dict[Any, Any] | None = None,
         on_start: Callable[[Stage], None] | None = None,
     ) -> StageOutcome:
-        """Run ``stage`` unless it is done (or ``force``): in its ``.partial`` dir, marker last,
-        then renamed into place. Its dependencies must be done. ``on_start`` is called when it
-        actually runs."""
+        """Run ``stage`` unless it is done (or ``force``): in its ``.partial`` dir, marker last
+        (with the seconds it took and the resident set's sampled peak while it ran,
+        :mod:`scpdr.experiment.peak`), then renamed into place. Its dependencies must be done.
+        ``on_start`` is called when it actually runs."""
         final = self.stage_dir(stage)
         if not force and self.is_done(stage):
             return StageOutcome(stage.name, stage.hash, "cached", 0.0, final)
@@ -280,7 +283,8 @@ class StageCache:
         ctx = StageContext(stage=stage, dir=partial, deps=deps, config=config)
         if memo is not None:
             ctx.memo = memo
-        stage.run(ctx)
+        with sampled_peak() as peak:
+            stage.run(ctx)
         seconds = time.perf_counter() - t0
         atomic_write_json(
             partial / MARKER,
@@ -288,13 +292,14 @@ class StageCache:
                 "name": stage.name,
                 "hash": stage.hash,
                 "seconds": round(seconds, 3),
+                "peak_rss_mib": peak.mib,
                 "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
             },
         )
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
-        return StageOutcome(stage.name, stage.hash, "ran", seconds, final)
+        return StageOutcome(stage.name, stage.hash, "ran", seconds, final, peak.mib)
 
     def collect_garbage(self, stages: Sequence[Stage]) -> list[Path]:
         """Remove cached dirs of the planned stage names whose hash is not planned any more."""

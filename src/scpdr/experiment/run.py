@@ -238,9 +238,9 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[..., None]]:
     """A rich progress display over the stages: one line per stage as it finishes."""
     if not enabled:
 
-        def quiet(name: str, status: str, seconds: float | None) -> None:
+        def quiet(name: str, status: str, outcome: StageOutcome | None) -> None:
             if status != "running":
-                logger.info("stage %s: %s%s", name, status, _fmt_secs(seconds))
+                logger.info("stage %s: %s%s", name, status, _fmt_outcome(outcome))
 
         yield quiet
         return
@@ -269,14 +269,14 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[..., None]]:
         task = progress.add_task("", total=total)
         running: dict[str, None] = {}  # the stages running now, in the order they started
 
-        def advance(name: str, status: str, seconds: float | None) -> None:
+        def advance(name: str, status: str, outcome: StageOutcome | None) -> None:
             if status == "running":
                 running[name] = None
             else:
                 running.pop(name, None)
                 style = "green" if status == "ran" else "dim"
                 label = rich_escape(name)  # a sweep label holds "[m=100]"
-                progress.console.log(f"[{style}]{status:>6}[/] {label}{_fmt_secs(seconds)}")
+                progress.console.log(f"[{style}]{status:>6}[/] {label}{_fmt_outcome(outcome)}")
             progress.update(
                 task, advance=0 if status == "running" else 1, description=_running_text(running)
             )
@@ -296,5 +296,11 @@ def _running_text(running: dict[str, None]) -> str:
     return f"[cyan]{first}[/] …{more}"
 
 
-def _fmt_secs(seconds: float | None) -> str:
-    return f" ({seconds:.1f} s)" if seconds else ""
+def _fmt_outcome(outcome: StageOutcome | None) -> str:
+    """`` (12.3 s, peak 1.9 GiB)`` for a stage that ran; nothing for one found in the cache."""
+    if outcome is None or outcome.status != "ran":
+        return ""
+    parts = [f"{outcome.seconds:.1f} s"]
+    if outcome.peak_mib is not None:
+        parts.append(f"peak {outcome.peak_mib / 1024:.1f} GiB")
+    return f" ({', '.join(parts)})"

@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Advance", "Executor", "StageJob"]
 
-#: ``advance(label, status, seconds)``: status "running" (seconds None), "ran" or "cached".
-Advance = Callable[[str, str, "float | None"], None]
+#: ``advance(label, status, outcome)``: status "running" (outcome None), "ran" or "cached".
+Advance = Callable[[str, str, "StageOutcome | None"], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,6 @@ class Executor(Protocol):
     ) -> dict[str, StageOutcome]:
         """Run every stage of ``graph`` not in ``done`` (stage key → outcome) through ``job``;
         call ``advance(stage.label, "running", None)`` when one starts and
-        ``advance(stage.label, outcome.status, outcome.seconds)`` when it ends. Returns the
+        ``advance(stage.label, outcome.status, outcome)`` when it ends. Returns the
         outcome of every stage of the graph by key."""
         ...

@@ -31,13 +31,13 @@ class LocalExecutor:
         outcomes = dict(done or {})
         for stage in graph.order:
             if stage.key in outcomes:
-                advance(stage.label, "cached", 0.0)
+                advance(stage.label, "cached", outcomes[stage.key])
         while ready := graph.ready(outcomes):
             stage = ready[0]
             outcome = job(
                 stage, memo=self.memo, on_start=lambda s: advance(s.label, "running", None)
             )
-            advance(stage.label, outcome.status, outcome.seconds)
+            advance(stage.label, outcome.status, outcome)
             outcomes[stage.key] = outcome
         return outcomes
 

@@ -94,7 +94,7 @@ class RayExecutor:
         outcomes = dict(done or {})
         for stage in graph.order:
             if stage.key in outcomes:
-                advance(stage.label, "cached", 0.0)
+                advance(stage.label, "cached", outcomes[stage.key])
         ray = self._connect()
         remote = ray.remote(run_stage)
         job_ref = ray.put(job)
@@ -108,7 +108,7 @@ class RayExecutor:
                 for ref in finished:
                     stage = in_flight.pop(ref)
                     outcome = _result(ray, ref)
-                    advance(stage.label, outcome.status, outcome.seconds)
+                    advance(stage.label, outcome.status, outcome)
                     outcomes[stage.key] = outcome
         finally:
             for ref in in_flight:  # a failed stage or an interrupt: stop the others
@@ -132,7 +132,7 @@ class RayExecutor:
             ready = [s for s in graph.ready(outcomes) if s.key not in running]
             hits = [(s, o) for s in ready if (o := job.cached(s)) is not None]
             for stage, outcome in hits:
-                advance(stage.label, outcome.status, outcome.seconds)
+                advance(stage.label, outcome.status, outcome)
                 outcomes[stage.key] = outcome
             if not hits:
                 break
