@@ -257,3 +257,21 @@ def test_micro_benchmark_times_a_decode_step_at_batch_1_and_8(home, side, form):
 
 def test_the_benchmark_streams_more_than_the_cache():
     assert 256 << 20 <= measure_bytes() <= 512 << 20
+
+
+def test_the_decoding_precision_is_logged_once_per_process(tmp_path):
+    """An experiment's plan resolves the precision once per evaluating stage: one log line."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "from scpdr.serve.precision import decode_dtype\n"
+        "for _ in range(3): decode_dtype('auto', 'cpu')\n"
+    )
+    env = {**os.environ, "SCPDR_HOME": str(tmp_path), "SCPDR_DECODE_PRECISION": "fp32"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stderr.count("decoding precision: fp32") == 1, out.stderr

@@ -278,6 +278,10 @@ def resolve_decode_precision(
     )
 
 
+#: The "decoding precision: ..." lines this process has logged.
+_LOGGED: set[str] = set()
+
+
 def decode_dtype(
     precision: str, device: str = "cpu", *, form: DecodeForm | None = None
 ) -> torch.dtype | None:
@@ -286,13 +290,16 @@ def decode_dtype(
     (the device's default, bf16) and on CPU bfloat16 where :func:`resolve_decode_precision`
     picks it for ``form`` (:func:`decode_form` of the bundle; measured once per CPU model;
     ``$SCPDR_DECODE_PRECISION`` replaces it), else None (the checkpoint's float32). The CPU's
-    choice and its reason are logged at INFO."""
+    choice and its reason are logged at INFO, once per process."""
     from scpdr.device import is_cuda
 
     if precision == "auto" and is_cuda(device):
         return None
     choice = resolve_decode_precision(precision, device=device, form=form)
     if precision == "auto":
-        logger.info("decoding precision: %s", choice.summary)
+        line = f"decoding precision: {choice.summary}"
+        if line not in _LOGGED:  # once per process (a plan resolves it per stage)
+            _LOGGED.add(line)
+            logger.info("%s", line)
         return torch.bfloat16 if choice.bf16 else None
     return torch.bfloat16 if choice.bf16 else torch.float32
