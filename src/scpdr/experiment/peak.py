@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from collections.abc import Iterator
 
-__all__ = ["INTERVAL", "StagePeak", "rss_bytes", "sampled_peak"]
+__all__ = ["INTERVAL", "StagePeak", "peak_text", "rss_bytes", "sampled_peak"]
 
 #: Seconds between two samples of the resident set.
 INTERVAL = 0.05
@@ -29,6 +29,11 @@ def rss_bytes() -> int | None:
         return int(psutil.Process().memory_info().rss)
     except (ImportError, OSError):
         return None
+
+
+def peak_text(mib: float) -> str:
+    """``"peak 3.1 GiB"`` for a peak of ``mib`` MiB: the stage log's wording."""
+    return f"peak {mib / 1024:.1f} GiB"
 
 
 @dataclasses.dataclass
@@ -50,7 +55,7 @@ class StagePeak:
 
     def describe(self) -> str:
         """``"peak 3.1 GiB"`` (``""`` where nothing was read)."""
-        return "" if self.bytes is None else f"peak {self.bytes / 2**30:.1f} GiB"
+        return "" if self.bytes is None else peak_text(self.bytes / 2**20)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from scpdr.errors import ConfigError
 from scpdr.experiment.cache import Stage, StageCache, StageOutcome, run_lock
 from scpdr.experiment.config import ExperimentConfig, load_config
 from scpdr.experiment.executors import Executor, LocalExecutor, StageJob
+from scpdr.experiment.peak import peak_text
 from scpdr.experiment.plan import StageGraph, matches_stage, plan
 from scpdr.io import read_json
 
@@ -302,5 +303,5 @@ def _fmt_outcome(outcome: StageOutcome | None) -> str:
         return ""
     parts = [f"{outcome.seconds:.1f} s"]
     if outcome.peak_mib is not None:
-        parts.append(f"peak {outcome.peak_mib / 1024:.1f} GiB")
+        parts.append(peak_text(outcome.peak_mib))
     return f" ({', '.join(parts)})"
