@@ -654,6 +654,8 @@ def test_shape_and_dtype_errors():
 GRIDS = {
     "default": None,
     "coarse-lattice": [(0.5 * i, 0.5 * j) for i in range(5) for j in range(5) if i or j],
+    # no power of the step is 1: the rows' floored masses are summed, not read off the lattice
+    "lattice-without-1": [(0.3 * i, 0.3 * j) for i in range(4) for j in range(4) if i or j],
     "no-lattice": [(0.3, 0.7), (1.0, 0.0), (0.45, 1.1), (2.0, 0.15)],
 }
 
@@ -667,6 +669,8 @@ GRIDS = {
     first_step=st.booleans(),
     grid=st.sampled_from(sorted(GRIDS)),
 )
+@example(seed=27, batch=2, vocab=1000, scale=8.0, first_step=False, grid="lattice-without-1")
+@example(seed=4, batch=2, vocab=49152, scale=8.0, first_step=False, grid="default")
 def test_cp_fuse_statistics_choose_the_reference_weights(
     seed, batch, vocab, scale, first_step, grid
 ):
