@@ -127,10 +127,9 @@ def _log_masses(y: Tensor, stats: Tensor | None, step: float) -> Tensor:
     a lattice power of both weights (``e^y1 = u^k``, ``e^y2 = w^k``: ``S[k, 0]`` and ``S[0,
     k]``; the default grid: k = 5), else summed here."""
     k = round(1.0 / step)
-    if stats is not None and abs(k * step - 1.0) < 1e-6 and k < stats.shape[1]:
-        nj = stats.shape[2] // 3
-        if k < nj:
-            return torch.stack([stats[:, k, 0], stats[:, 0, k]], dim=1).log()
+    ni_nj = (stats.shape[1], stats.shape[2] // 3) if stats is not None else (0, 0)
+    if abs(k * step - 1.0) < 1e-6 and k < min(ni_nj):  # a lattice power of both weights
+        return torch.stack([stats[:, k, 0], stats[:, 0, k]], dim=1).log()
     return torch.logsumexp(y.double(), dim=-1).t()
 
 
