@@ -152,17 +152,22 @@ def _steps(
     """One training step on a collated batch: scpdr's (chunked loss unless ``chunked`` is
     false, the precision under the Trainer's autocast settings, activations checkpointed if
     ``checkpointing``, the heap trimmed after the forward and before the optimizer step if
-    ``trim``) or HF's (the model's own loss, fp32, no checkpointing). The same AdamW for both
-    (its cost does not depend on the weights' values); each step sets the model's
-    checkpointing, so sides can share a model."""
+    ``trim``) or HF's (the model's own loss, fp32, no checkpointing). The same AdamW for both,
+    as the Trainer runs it on CPU (its cost does not depend on the weights' values); each step
+    sets the model's checkpointing, so sides can share a model."""
     import contextlib
 
     import torch
 
     from scpdr.training.loss import ChunkedCausalLMLoss
-    from scpdr.training.memory import AUTOCAST_CACHE, trim_heap, trim_in_backward
+    from scpdr.training.memory import AUTOCAST_CACHE, trim_in_backward, trim_step_heap
+    from scpdr.training.placement import FALLBACK_OPTIM, resolve_optim
 
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
+    # as the Trainer runs AdamW on CPU: torch's fused kernel where it runs (scpdr's choice and
+    # transformers' own default, scpdr.training.placement.resolve_optim)
+    fused = resolve_optim(FALLBACK_OPTIM, "cpu") != FALLBACK_OPTIM
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-7, fused=fused or None)
     loss_fn = ChunkedCausalLMLoss(
         model.get_output_embeddings(),
         vocab_size=int(model.config.vocab_size),
@@ -200,7 +205,7 @@ def _steps(
         for h in hooks:
             h.remove()
         if ours and trim:  # the heap trim callback's on_pre_optimizer_step
-            trim_heap()
+            trim_step_heap()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

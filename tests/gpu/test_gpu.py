@@ -103,7 +103,7 @@ def test_training_on_cuda_with_bf16_checkpointing_and_8bit_adam(tmp_path, tiny_b
     info = json.loads((out / TRAIN_INFO).read_text())
     has_bnb = importlib.util.find_spec("bitsandbytes") is not None
     assert info["placement"]["device"] == "cuda"
-    assert info["placement"]["optim"] == ("adamw_bnb_8bit" if has_bnb else "adamw_torch")
+    assert info["placement"]["optim"] == ("adamw_bnb_8bit" if has_bnb else "adamw_torch_fused")
     assert info["global_step"] == 2
 
 

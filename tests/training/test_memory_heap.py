@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import platform
+from typing import Any
 
 import pytest
 
@@ -213,8 +214,9 @@ def test_a_bf16_cpu_training_step_keeps_no_cache_of_weight_casts(tmp_path):
 def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, checkpointing):
     """trim_in_backward(model, every=2) on 5 decoder layers: one trim per backward after each of
     layers 4, 2 and 0 has its gradients (not before, not twice under checkpointing's recompute),
-    none in a forward without gradients or once the hooks are removed, and the same gradients
-    as without the hooks."""
+    the first two where the heap holds enough free and the last (layer 0's, the backward's
+    end) always, none in a forward without gradients or once the hooks are removed, and the
+    same gradients as without the hooks."""
     import torch
 
     from scpdr import testing
@@ -227,11 +229,18 @@ def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, check
     layers = list(model.model.layers)
     seen: list[list[bool]] = []
 
-    def fake_trim() -> bool:  # which layers have their gradients when the trim runs
-        seen.append([layer.mlp.down_proj.weight.grad is not None for layer in layers])
-        return False
+    kinds: list[str] = []
 
-    monkeypatch.setattr(memory, "trim_step_heap", fake_trim)
+    def fake(kind: str) -> Any:
+        def trim(**_kw: Any) -> bool:  # which layers have their gradients when the trim runs
+            seen.append([layer.mlp.down_proj.weight.grad is not None for layer in layers])
+            kinds.append(kind)
+            return False
+
+        return trim
+
+    monkeypatch.setattr(memory, "trim_step_heap", fake("step"))
+    monkeypatch.setattr(memory, "trim_heap", fake("always"))
     ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
 
     def grads() -> list:
@@ -243,6 +252,7 @@ def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, check
     handles = memory.trim_in_backward(model, every=2)
     hooked = grads()
     assert [[i for i, g in enumerate(s) if g] for s in seen] == [[4], [2, 3, 4], [0, 1, 2, 3, 4]]
+    assert kinds == ["step", "step", "always"]
     assert all(torch.equal(a, b) for a, b in zip(plain, hooked, strict=True))
     seen.clear()
     with torch.no_grad():
@@ -256,13 +266,13 @@ def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, check
 def test_the_callback_installs_the_backward_trims_for_training_only(monkeypatch):
     """heap_trim_callback() hooks the model's layers at the start of training (once, also when
     told twice) and removes its hooks at the end: a backward of 3 layers trims once (after layer
-    0's: every 10th layer) while training, never after."""
+    0's: every 10th layer, and the backward's last) while training, never after."""
     import torch
 
     from scpdr import testing
 
     trims = []
-    monkeypatch.setattr(memory, "trim_step_heap", lambda: trims.append(1) or False)
+    monkeypatch.setattr(memory, "trim_heap", lambda **_kw: trims.append(1) or False)
     model = testing.tiny_model(0, num_layers=3).train()
     ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0))
     cb = heap_trim_callback()

@@ -17,7 +17,13 @@ import torch
 from scpdr.data import names2ids
 from scpdr.errors import ConfigError
 from scpdr.training import TRAIN_INFO, TrainConfig, finetune
-from scpdr.training.placement import FALLBACK_OPTIM, resolve_optim, training_device
+from scpdr.training.placement import (
+    FALLBACK_OPTIM,
+    plain_optim,
+    resolve_optim,
+    same_update,
+    training_device,
+)
 
 _FAST = dict(learning_rate=1e-2, batch_size=4, seq_len=32, warmup_steps=0, progress=False)
 _TRAIN = ["train", "--data", "names2ids", "--partitions", "2", "--base", "tiny", "--max-steps", "3"]
@@ -71,7 +77,7 @@ def test_accelerate_launch_ddp_on_gloo_writes_the_bundle_of_one_process(tmp_path
             "device": "cpu",
             "world_size": 2,
             "distributed": "MULTI_CPU",  # DDP on gloo
-            "optim": "adamw_torch",
+            "optim": "adamw_torch_fused",  # torch's fused AdamW runs on CPU
         }
         # twice the sequences per step; not exactly twice the epochs when a partition does not
         # split into whole DDP batches (the last batch of an epoch is partial)
@@ -80,15 +86,25 @@ def test_accelerate_launch_ddp_on_gloo_writes_the_bundle_of_one_process(tmp_path
         )
 
 
+def test_plain_adamw_runs_as_torchs_fused_kernel_and_stays_the_same_run():
+    assert resolve_optim("adamw_torch", "cpu") == "adamw_torch_fused"
+    assert resolve_optim("adamw_torch_fused", "cpu") == "adamw_torch_fused"
+    assert resolve_optim("sgd", "cpu") == "sgd"  # no fused kernel named: as asked
+    assert plain_optim("adamw_torch_fused") == FALLBACK_OPTIM == plain_optim(FALLBACK_OPTIM)
+    assert same_update("adamw_torch", "adamw_torch_fused")
+    assert not same_update("adamw_torch", "adamw_bnb_8bit")
+    assert not same_update(None, "adamw_torch")
+
+
 def test_an_8bit_optimizer_falls_back_where_it_cannot_run(tmp_path, tiny_bundle, caplog):
     records = names2ids(n_train=8, n_val=1, seed=0).train
-    assert resolve_optim("adamw_torch", "cpu") == "adamw_torch"
-    assert resolve_optim("adamw_bnb_8bit", "cpu") == FALLBACK_OPTIM
+    # the fallback, run as torch's fused kernel (CPU has one)
+    assert resolve_optim("adamw_bnb_8bit", "cpu") == "adamw_torch_fused"
     cfg = TrainConfig(max_steps=1, optim="adamw_bnb_8bit", **_FAST)
     out = finetune(records, base=tiny_bundle / "base", config=cfg, out=tmp_path / "m", device="cpu")
     info = json.loads((out / TRAIN_INFO).read_text())
     assert info["config"]["optim"] == "adamw_bnb_8bit"  # what was asked, and what ran:
-    assert info["placement"]["optim"] == FALLBACK_OPTIM
+    assert info["placement"]["optim"] == "adamw_torch_fused"
     assert "using adamw_torch" in caplog.text
     plain = finetune(
         records,

@@ -114,7 +114,8 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     optim: str = Field(
         "adamw_torch",
-        description="Optimizer; the paper used adamw_bnb_8bit (CUDA only), adamw_torch here.",
+        description="Optimizer; the paper used adamw_bnb_8bit (CUDA only), adamw_torch here (run "
+        "as torch's fused kernel where the device has one).",
     )
     neftune_alpha: float | None = Field(
         None, ge=0, description="NEFTune noise alpha; 0 disables (paper: 5 full / none LoRA)."

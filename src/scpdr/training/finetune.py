@@ -44,7 +44,9 @@ from scpdr.training.placement import (
     is_main_process,
     main_result,
     placement_info,
+    plain_optim,
     resolve_optim,
+    same_update,
     select_device,
     training_device,
     wait_for_everyone,
@@ -95,7 +97,8 @@ def finetune(
         device: ``cpu``, ``cuda`` or ``cuda:N`` (default: ``$SCPDR_DEVICE``, else cuda when
             available); under ``accelerate launch`` each process uses its rank's device
             (:mod:`scpdr.training.placement`). An 8-bit optimizer falls back to ``adamw_torch``
-            where it cannot run (recorded in ``train_info.json``).
+            where it cannot run, and ``adamw_torch`` runs as torch's fused kernel where the
+            device has one (what ran is recorded in ``train_info.json``).
 
         resume: what to do with an interrupted run of ``out`` (``<out>.tmp-*`` with a
             checkpoint). ``True``: continue it from its last checkpoint (model, optimizer,
@@ -130,7 +133,8 @@ def finetune(
     out = Path(out)
     base_key = os.fspath(base) if not isinstance(base, tuple) else "in-memory"
     data_hash = records_hash(records)
-    swapped = f"|optim={optim}" if optim != cfg.optim else ""  # another optimizer's checkpoints
+    # another optimizer's checkpoints (not the same one's fused kernel: placement.same_update)
+    swapped = "" if same_update(optim, cfg.optim) else f"|optim={plain_optim(optim)}"
     # auto: measured (or recalled) by the main process; every process trains in its choice
     precision = main_result(lambda: resolve_precision(cfg.precision, device=dev))
     if cfg.precision == "auto" and precision.bf16:  # (auto resolving to fp32: as fp32)

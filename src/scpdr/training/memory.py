@@ -32,7 +32,13 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   (:func:`heap_free_bytes`): small steps free less (~0.4 GiB after the forward on 20 of the
   demo's short records, 0.7-0.8 GiB on 8 x ~250 tokens), and trimming them at every step
   cost 13-18% of their time for 0.09 GiB of peak; with the threshold they run as fast as
-  untrimmed, and the 8 x 256 step keeps 2.92 GiB.
+  untrimmed, and the 8 x 256 step keeps 2.92 GiB. The backward's last trim, after layer 0's
+  backward, runs whatever the heap holds: the step's peak was then at the backward's end, where
+  the input embedding's gradient (a fresh V x H block: 108 MiB on the 135M model) lands on top
+  of every other gradient and ~0.4 GiB of free heap (bf16, fused AdamW, Intel Xeon AVX-512,
+  2 threads, 8 x 256 tokens, three fresh processes each: 2.87-2.98 -> 2.76-2.79 GiB). One
+  unconditional trim there cost nothing measurable (second step 5.2-5.9 s against 5.5-6.2 s;
+  8 x 32 tokens: 1.23-1.36 s against 1.31-1.40 s per step).
   ``fordblks`` counts free blocks whether their pages are resident or not, and a trim leaves
   the blocks in place: once a large step has left 0.5 GiB of free blocks, the small steps after
   it are trimmed again (as every step was before the threshold). The mmap threshold itself is
@@ -56,6 +62,7 @@ import ctypes.util
 import functools
 import gc
 import platform
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -146,10 +153,13 @@ def trim_heap(*, collect: bool = False, min_free: int = 0) -> bool:
 
 
 def trim_in_backward(model: Any, every: int = BACKWARD_TRIM_EVERY) -> list[Any]:
-    """Trim the heap (:func:`trim_step_heap`) in the backward pass, each time the gradient of
-    the input of every ``every``-th decoder layer (transformers' ``GradientCheckpointingLayer``
-    instances, layers 0, every, 2·every...) is complete, i.e. just after that layer's backward.
-    Returns the hooks' handles (``.remove()`` each to undo).
+    """Trim the heap in the backward pass, each time the gradient of the input of every
+    ``every``-th decoder layer (transformers' ``GradientCheckpointingLayer`` instances, layers
+    0, every, 2·every...) is complete, i.e. just after that layer's backward: where the heap
+    holds :data:`STEP_TRIM_MIN_FREE` free (:func:`trim_step_heap`), and after layer 0's (the
+    backward's last, before the input embedding's gradient and the optimizer step) always
+    (:func:`trim_heap`; see the module's docstring). Returns the hooks' handles (``.remove()``
+    each to undo).
 
     A forward pre-hook on each such layer puts a gradient hook on the layer's input when that
     input is part of the graph (``grad_fn`` set: not the detached copy an activation-checkpoint
@@ -159,13 +169,23 @@ def trim_in_backward(model: Any, every: int = BACKWARD_TRIM_EVERY) -> list[Any]:
     def trim(_grad: Any) -> None:
         trim_step_heap()
 
-    def pre_hook(_module: Any, args: tuple) -> None:
-        x = args[0] if args else None
-        if getattr(x, "grad_fn", None) is not None:
-            x.register_hook(trim)
+    def trim_last(_grad: Any) -> None:
+        trim_heap()
+
+    def pre_hook(last: bool) -> Callable[[Any, tuple], None]:
+        def hook(_module: Any, args: tuple) -> None:
+            x = args[0] if args else None
+            if getattr(x, "grad_fn", None) is not None:
+                x.register_hook(trim_last if last else trim)
+
+        return hook
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    return [layer.register_forward_pre_hook(pre_hook) for layer in layers[::every]]
+    return [
+        layer.register_forward_pre_hook(pre_hook(i == 0))
+        for i, layer in enumerate(layers)
+        if i % every == 0
+    ]
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,13 +10,19 @@ launcher (one process) these are no-ops and accelerate's process group is never 
 Device. :func:`training_device` resolves ``--device`` (:func:`scpdr.device.resolve_device`);
 :func:`resolve_optim` picks the optimizer that can run there: the paper's 8-bit AdamW
 (``adamw_bnb_8bit``, App. E) when bitsandbytes is importable and the device is CUDA, else
-``adamw_torch`` (logged). bf16 mixed precision and gradient checkpointing are
+``adamw_torch`` (logged); ``adamw_torch`` runs as torch's fused kernel (``adamw_torch_fused``,
+transformers' own default with torch >= 2.8) where torch has one for the device
+(:func:`fused_optim`): the same update, one pass over each weight with no temporaries (one
+AdamW step over the 135M model's 134.5M weights: 90 ms against 390-440 ms for the per-weight
+loop, 2 threads, Intel Xeon AVX-512), and the same checkpoints, so it is the same run
+(:func:`same_update`). bf16 mixed precision and gradient checkpointing are
 :class:`~scpdr.training.config.TrainConfig` fields passed to the Trainer as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -29,12 +35,15 @@ from scpdr.errors import ConfigError
 __all__ = [
     "FALLBACK_OPTIM",
     "full_state_dict",
+    "fused_optim",
     "is_main_process",
     "launched",
     "main_process_first",
     "main_result",
     "placement_info",
+    "plain_optim",
     "resolve_optim",
+    "same_update",
     "select_device",
     "training_device",
     "wait_for_everyone",
@@ -45,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: The optimizer used where an 8-bit (bitsandbytes) one cannot run.
 FALLBACK_OPTIM = "adamw_torch"
+#: transformers' names of optimizers that torch runs as one fused kernel: plain name -> fused.
+FUSED = {"adamw_torch": "adamw_torch_fused"}
 
 
 def world_size() -> int:
@@ -177,17 +188,59 @@ def _is_8bit(optim: str) -> bool:
 
 
 def resolve_optim(optim: str, device: str) -> str:
-    """``optim``, or :data:`FALLBACK_OPTIM` for a bitsandbytes optimizer where it cannot run (on
-    CPU, or without bitsandbytes installed); the substitution is logged."""
-    if not _is_8bit(optim):
+    """The optimizer that runs for ``optim`` on ``device``: :data:`FALLBACK_OPTIM` for a
+    bitsandbytes optimizer where it cannot run (on CPU, or without bitsandbytes installed; the
+    substitution is logged), and the fused kernel of a plain one where torch has it there
+    (:func:`fused_optim`); else ``optim``."""
+    if _is_8bit(optim):
+        if not is_cuda(device):
+            why = f"device {device}"
+        elif importlib.util.find_spec("bitsandbytes") is None:
+            why = "bitsandbytes is not installed (pip install bitsandbytes)"
+        else:
+            return optim
+        logger.warning(
+            "optimizer %s needs CUDA and bitsandbytes (%s); using %s", optim, why, FALLBACK_OPTIM
+        )
+        optim = FALLBACK_OPTIM
+    return fused_optim(optim, device)
+
+
+def fused_optim(optim: str, device: str) -> str:
+    """``optim``'s fused kernel (:data:`FUSED`) where torch runs it on ``device``'s type (one
+    AdamW step on a one-element weight there succeeds), else its plain form (logged where the
+    fused one was asked for); an optimizer without a fused kernel as it is."""
+    plain = plain_optim(optim)
+    fused = FUSED.get(plain)
+    if fused is None:
         return optim
-    if not is_cuda(device):
-        why = f"device {device}"
-    elif importlib.util.find_spec("bitsandbytes") is None:
-        why = "bitsandbytes is not installed (pip install bitsandbytes)"
-    else:
-        return optim
-    logger.warning(
-        "optimizer %s needs CUDA and bitsandbytes (%s); using %s", optim, why, FALLBACK_OPTIM
-    )
-    return FALLBACK_OPTIM
+    if _fused_adamw_runs(str(device).split(":", 1)[0]):
+        return fused
+    if optim == fused:
+        logger.warning("%s does not run on device %s; using %s", optim, device, plain)
+    return plain
+
+
+@functools.cache
+def _fused_adamw_runs(device_type: str) -> bool:
+    import torch
+
+    try:
+        w = torch.zeros(1, device=device_type, requires_grad=True)
+        w.grad = torch.ones_like(w)
+        torch.optim.AdamW([w], lr=1e-3, fused=True).step()
+    except (RuntimeError, ValueError, TypeError, AssertionError) as e:
+        logger.info("torch's fused AdamW does not run on %s (%s)", device_type, e)
+        return False
+    return True
+
+
+def plain_optim(optim: str) -> str:
+    """``optim`` without its fused kernel: the plain optimizer of a fused one (:data:`FUSED`)."""
+    return {v: k for k, v in FUSED.items()}.get(optim, optim)
+
+
+def same_update(a: str | None, b: str | None) -> bool:
+    """Whether optimizers ``a`` and ``b`` make the same update with the same state (a plain
+    one and its fused kernel: :data:`FUSED`), so one run's checkpoints continue the other's."""
+    return plain_optim(a or "") == plain_optim(b or "")

@@ -20,6 +20,7 @@ from typing import Any
 from scpdr.errors import ConfigError
 from scpdr.io import read_json
 from scpdr.training.config import NOT_IN_FINGERPRINT
+from scpdr.training.placement import same_update
 
 __all__ = [
     "RUN_INFO",
@@ -77,7 +78,7 @@ def _differences(tmp: Path, run: dict[str, Any]) -> str:
         )
     if old.get("base") != run["base"]:
         diffs.append(f"the base model ({old.get('base')!r} then, {run['base']!r} now)")
-    if old.get("optim") != run["optim"]:
+    if not same_update(old.get("optim"), run["optim"]):
         diffs.append(f"the optimizer ({old.get('optim')!r} then, {run['optim']!r} now)")
     then, now = old.get("precision") or _ran(a), run.get("precision") or _ran(b)
     if then != now:
