@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import time
 from pathlib import Path
 
@@ -19,14 +20,34 @@ TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 def _hold(mib: int, seconds: float) -> None:
-    """Hold ``mib`` MiB of written memory for ``seconds``, then free it (a large numpy array is
-    its own mapping: freed, it leaves the resident set at once)."""
-    block = np.ones(mib * MIB // 8)
+    """Hold ``mib`` MiB of written memory for ``seconds``, then free it. The memory is an
+    anonymous mapping of its own, so its pages are new whatever the process did before, and
+    leave the resident set when it is unmapped. (A ``malloc``-ed block, a large numpy array
+    included, is served from the heap's free chunks before any new mapping: after earlier
+    tests left that much free but resident heap, holding it raised the RSS by nothing.)"""
+    buf = mmap.mmap(-1, mib * MIB)
+    view = np.frombuffer(buf, dtype=np.uint8)
+    view.fill(1)
     time.sleep(seconds)
-    del block
+    del view
+    buf.close()
+
+
+def _leave_free_resident_heap(mib: int) -> None:
+    """Leave ``mib`` MiB of freed heap that stays resident (glibc keeps it below a block still
+    in use), as a run of earlier tests can: the condition under which ``_hold`` once saw
+    nothing."""
+    np.ones(16 * MIB // 8)  # freed at once: glibc's mmap threshold rises to 16 MiB
+    blocks = [np.ones(MIB // 8) for _ in range(mib)]  # 1 MiB each: now on the heap
+    _LEFT.append(np.ones(MIB // 8))  # above them, kept
+    del blocks
+
+
+_LEFT: list = []
 
 
 def test_the_peak_is_the_blocks_largest_sample():
+    _leave_free_resident_heap(320)
     before = rss_bytes()
     assert before is not None and before > 0
     with sampled_peak(interval=0.01) as peak:
