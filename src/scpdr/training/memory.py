@@ -33,12 +33,13 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   demo's short records, 0.7-0.8 GiB on 8 x ~250 tokens), and trimming them at every step
   cost 13-18% of their time for 0.09 GiB of peak; with the threshold they run as fast as
   untrimmed, and the 8 x 256 step keeps 2.92 GiB. The backward's last trim, after layer 0's
-  backward, runs whatever the heap holds: the step's peak was then at the backward's end, where
+  backward, runs whatever the heap holds where the input embeddings are trained: the step's peak was then at the backward's end, where
   the input embedding's gradient (a fresh V x H block: 108 MiB on the 135M model) lands on top
   of every other gradient and ~0.4 GiB of free heap (bf16, fused AdamW, Intel Xeon AVX-512,
   2 threads, 8 x 256 tokens, three fresh processes each: 2.87-2.98 -> 2.76-2.79 GiB). One
   unconditional trim there cost nothing measurable (second step 5.2-5.9 s against 5.5-6.2 s;
-  8 x 32 tokens: 1.23-1.36 s against 1.31-1.40 s per step).
+  8 x 32 tokens: 1.23-1.36 s against 1.31-1.40 s per step). Where the input embeddings are frozen
+  (LoRA) no such gradient comes last, and that trim keeps the threshold.
   ``fordblks`` counts free blocks whether their pages are resident or not, and a trim leaves
   the blocks in place: once a large step has left 0.5 GiB of free blocks, the small steps after
   it are trimmed again (as every step was before the threshold). The mmap threshold itself is
@@ -158,7 +159,8 @@ def trim_in_backward(model: Any, every: int = BACKWARD_TRIM_EVERY) -> list[Any]:
     0, every, 2·every...) is complete, i.e. just after that layer's backward: where the heap
     holds :data:`STEP_TRIM_MIN_FREE` free (:func:`trim_step_heap`), and after layer 0's (the
     backward's last, before the input embedding's gradient and the optimizer step) always
-    (:func:`trim_heap`; see the module's docstring). Returns the hooks' handles (``.remove()``
+    where that gradient comes (the input embeddings are trained, as in full fine-tuning:
+    :func:`trim_heap`; see the module's docstring). Returns the hooks' handles (``.remove()``
     each to undo).
 
     A forward pre-hook on each such layer puts a gradient hook on the layer's input when that
@@ -180,9 +182,11 @@ def trim_in_backward(model: Any, every: int = BACKWARD_TRIM_EVERY) -> list[Any]:
 
         return hook
 
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    trained = bool(getattr(getattr(embeddings, "weight", None), "requires_grad", False))
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     return [
-        layer.register_forward_pre_hook(pre_hook(i == 0))
+        layer.register_forward_pre_hook(pre_hook(i == 0 and trained))
         for i, layer in enumerate(layers)
         if i % every == 0
     ]
