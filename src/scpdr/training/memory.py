@@ -33,13 +33,14 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   demo's short records, 0.7-0.8 GiB on 8 x ~250 tokens), and trimming them at every step
   cost 13-18% of their time for 0.09 GiB of peak; with the threshold they run as fast as
   untrimmed, and the 8 x 256 step keeps 2.92 GiB. The backward's last trim, after layer 0's
-  backward, runs whatever the heap holds where the input embeddings are trained: the step's peak was then at the backward's end, where
-  the input embedding's gradient (a fresh V x H block: 108 MiB on the 135M model) lands on top
-  of every other gradient and ~0.4 GiB of free heap (bf16, fused AdamW, Intel Xeon AVX-512,
-  2 threads, 8 x 256 tokens, three fresh processes each: 2.87-2.98 -> 2.76-2.79 GiB). One
-  unconditional trim there cost nothing measurable (second step 5.2-5.9 s against 5.5-6.2 s;
-  8 x 32 tokens: 1.23-1.36 s against 1.31-1.40 s per step). Where the input embeddings are frozen
-  (LoRA) no such gradient comes last, and that trim keeps the threshold.
+  backward, runs whatever the heap holds where the input embeddings are trained: the step's
+  peak was then at the backward's end, where the input embedding's gradient (a fresh V x H
+  block: 108 MiB on the 135M model) lands on top of every other gradient and ~0.4 GiB of free
+  heap (bf16, fused AdamW, Intel Xeon AVX-512, 2 threads, 8 x 256 tokens, three fresh
+  processes each: 2.87-2.98 -> 2.76-2.79 GiB). One unconditional trim there cost nothing
+  measurable (second step 5.2-5.9 s against 5.5-6.2 s; 8 x 32 tokens: 1.23-1.36 s against
+  1.31-1.40 s per step). Where the input embeddings are frozen (LoRA) no such gradient comes
+  last, and that trim keeps the threshold.
   ``fordblks`` counts free blocks whether their pages are resident or not, and a trim leaves
   the blocks in place: once a large step has left 0.5 GiB of free blocks, the small steps after
   it are trimmed again (as every step was before the threshold). The mmap threshold itself is
