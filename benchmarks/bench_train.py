@@ -160,7 +160,7 @@ def _steps(
     import torch
 
     from scpdr.training.loss import ChunkedCausalLMLoss
-    from scpdr.training.memory import AUTOCAST_CACHE, trim_in_backward, trim_step_heap
+    from scpdr.training.memory import AUTOCAST_CACHE, trim_at_layers, trim_step_heap
     from scpdr.training.placement import FALLBACK_OPTIM, resolve_optim
 
     # as the Trainer runs AdamW on CPU: torch's fused kernel where it runs (scpdr's choice and
@@ -184,7 +184,7 @@ def _steps(
             model.activation_checkpointing_disable()
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
         # the heap trim callback's hooks, on this side's steps only (sides may share a model)
-        hooks = trim_in_backward(model) if ours and trim else []
+        hooks = trim_at_layers(model) if ours and trim else []
         if ours:
             ctx = (
                 torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=AUTOCAST_CACHE)

@@ -211,12 +211,15 @@ def test_a_bf16_cpu_training_step_keeps_no_cache_of_weight_casts(tmp_path):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, checkpointing):
-    """trim_in_backward(model, every=2) on 5 decoder layers: one trim per backward after each of
-    layers 4, 2 and 0 has its gradients (not before, not twice under checkpointing's recompute),
-    the first two where the heap holds enough free and the last (layer 0's, the backward's
-    end) always, none in a forward without gradients or once the hooks are removed, and the
-    same gradients as without the hooks."""
+def test_trims_come_before_every_nth_layers_forward_and_after_its_backward_once(
+    monkeypatch, checkpointing
+):
+    """trim_at_layers(model, every=2) on 5 decoder layers: in the forward one trim just before
+    layers 2 and 4 run (none before layer 0: the step's start), in the backward one after each
+    of layers 4, 2 and 0 has its gradients (not before, not twice under checkpointing's
+    recompute); all where the heap holds enough free but the last (layer 0's, the backward's
+    end), which runs always; none in a forward without gradients or once the hooks are
+    removed, and the same gradients as without the hooks."""
     import torch
 
     from scpdr import testing
@@ -230,11 +233,16 @@ def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, check
     seen: list[list[bool]] = []
 
     kinds: list[str] = []
+    ran: list[int] = []  # the layers' forwards, in order (recomputes included)
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda _m, _a, _o, i=i: ran.append(i))
+    before: list[int] = []
 
     def fake(kind: str) -> Any:
         def trim(**_kw: Any) -> bool:  # which layers have their gradients when the trim runs
             seen.append([layer.mlp.down_proj.weight.grad is not None for layer in layers])
             kinds.append(kind)
+            before.append(len(ran))
             return False
 
         return trim
@@ -249,10 +257,15 @@ def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, check
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     plain = grads()
-    handles = memory.trim_in_backward(model, every=2)
+    handles = memory.trim_at_layers(model, every=2)
+    ran.clear()
     hooked = grads()
-    assert [[i for i, g in enumerate(s) if g] for s in seen] == [[4], [2, 3, 4], [0, 1, 2, 3, 4]]
-    assert kinds == ["step", "step", "always"]  # the embeddings are trained: always at the end
+    assert [[i for i, g in enumerate(s) if g] for s in seen] == [
+        [], [], [4], [2, 3, 4], [0, 1, 2, 3, 4]
+    ]  # fmt: skip
+    assert before[:2] == [2, 4]  # in the forward: after layers 0-1, then 0-3 ran
+    # the embeddings are trained: always at the end
+    assert kinds == ["step", "step", "step", "step", "always"]
     assert all(torch.equal(a, b) for a, b in zip(plain, hooked, strict=True))
     seen.clear()
     with torch.no_grad():
@@ -267,12 +280,12 @@ def test_backward_trims_follow_every_nth_layers_backward_once(monkeypatch, check
     model.get_input_embeddings().register_forward_hook(
         lambda _m, _a, out: out.requires_grad_(True) * 1.0
     )
-    handles = memory.trim_in_backward(model, every=2)
+    handles = memory.trim_at_layers(model, every=2)
     kinds.clear()
     grads()
     for h in handles:
         h.remove()
-    assert kinds == ["step", "step", "step"]
+    assert kinds == ["step"] * 5
 
 
 def test_the_callback_installs_the_backward_trims_for_training_only(monkeypatch):

@@ -21,7 +21,7 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   optimizer step returns those blocks first, at the price of faulting them in again: peak RSS
   3.25 -> 2.84 GiB for about 5% more time per step (4 steps in fresh processes; bench_train
   reports both, ``heap_trim_cost``). A third trim at the step's start lowered the peak no
-  further. **In the backward pass** (:func:`trim_in_backward`, installed by the callback):
+  further. **In the backward pass** (:func:`trim_at_layers`, installed by the callback):
   each layer's gradients are new blocks while the activations it recomputed are freed around
   them, so RSS climbed through the backward (float32, Intel Xeon without bf16 units, 2
   threads, 8 x 256 tokens: 2.38 -> 3.18 GiB over the 30 layers, ~1 GiB of free heap beside)
@@ -40,7 +40,14 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   processes each: 2.87-2.98 -> 2.76-2.79 GiB). One unconditional trim there cost nothing
   measurable (second step 5.2-5.9 s against 5.5-6.2 s; 8 x 32 tokens: 1.23-1.36 s against
   1.31-1.40 s per step). Where the input embeddings are frozen (LoRA) no such gradient comes
-  last, and that trim keeps the threshold.
+  last, and that trim keeps the threshold. **In the forward pass** the same layers' hooks trim
+  too, just before layers 10 and 20 run (with the threshold): a step starts with the last
+  step's freed gradients (0.4-0.6 GiB) resident in the heap, and in some processes the
+  forward's blocks went beside them rather than into them: RSS at the forward's end read
+  2.51-2.81 GiB, and 4 fresh processes of 17 peaked at 2.87-2.98 GiB (where traced, at the
+  loss's start; the others at 2.78-2.84; the 8 x 256 step above). With the forward's trims
+  the forward ended at 2.22-2.32 GiB and the peak read 2.76-2.82 GiB in 17 fresh processes,
+  at the same time per step.
   ``fordblks`` counts free blocks whether their pages are resident or not, and a trim leaves
   the blocks in place: once a large step has left 0.5 GiB of free blocks, the small steps after
   it are trimmed again (as every step was before the threshold). The mmap threshold itself is
@@ -69,12 +76,12 @@ from typing import Any
 
 __all__ = [
     "AUTOCAST_CACHE",
-    "BACKWARD_TRIM_EVERY",
     "STEP_TRIM_MIN_FREE",
+    "TRIM_EVERY_LAYERS",
     "heap_free_bytes",
     "heap_trim_callback",
+    "trim_at_layers",
     "trim_heap",
-    "trim_in_backward",
     "trim_step_heap",
 ]
 
@@ -84,9 +91,9 @@ AUTOCAST_CACHE = False
 #: A trim inside a step is skipped when the heap holds less free memory than this (glibc's
 #: ``mallinfo2().fordblks``; see the module's docstring): 0.5 GiB.
 STEP_TRIM_MIN_FREE = 1 << 29
-#: In the backward pass the heap is trimmed after the backward of every this-many-th decoder
-#: layer (:func:`trim_in_backward`; see the module's docstring).
-BACKWARD_TRIM_EVERY = 10
+#: The heap is trimmed at every this-many-th decoder layer, before its forward and after its
+#: backward (:func:`trim_at_layers`; see the module's docstring).
+TRIM_EVERY_LAYERS = 10
 
 
 @functools.lru_cache(maxsize=1)
@@ -154,19 +161,22 @@ def trim_heap(*, collect: bool = False, min_free: int = 0) -> bool:
     return bool(fn(0))
 
 
-def trim_in_backward(model: Any, every: int = BACKWARD_TRIM_EVERY) -> list[Any]:
-    """Trim the heap in the backward pass, each time the gradient of the input of every
-    ``every``-th decoder layer (transformers' ``GradientCheckpointingLayer`` instances, layers
-    0, every, 2·every...) is complete, i.e. just after that layer's backward: where the heap
-    holds :data:`STEP_TRIM_MIN_FREE` free (:func:`trim_step_heap`), and after layer 0's (the
-    backward's last, before the input embedding's gradient and the optimizer step) always
-    where that gradient comes (the input embeddings are trained, as in full fine-tuning:
-    :func:`trim_heap`; see the module's docstring). Returns the hooks' handles (``.remove()``
-    each to undo).
+def trim_at_layers(model: Any, every: int = TRIM_EVERY_LAYERS) -> list[Any]:
+    """Trim the heap at every ``every``-th decoder layer (transformers'
+    ``GradientCheckpointingLayer`` instances, layers 0, every, 2·every...) in both passes of a
+    training step: in the forward just before such a layer runs (not layer 0, at the step's
+    start), and in the backward each time the gradient of such a layer's input is complete,
+    i.e. just after that layer's backward. Each trim runs where the heap holds
+    :data:`STEP_TRIM_MIN_FREE` free (:func:`trim_step_heap`), except the backward's last, after
+    layer 0's backward (before the input embedding's gradient and the optimizer step), which
+    runs always where that gradient comes (the input embeddings are trained, as in full
+    fine-tuning: :func:`trim_heap`; see the module's docstring). Returns the hooks' handles
+    (``.remove()`` each to undo).
 
-    A forward pre-hook on each such layer puts a gradient hook on the layer's input when that
-    input is part of the graph (``grad_fn`` set: not the detached copy an activation-checkpoint
-    recompute runs on, so each trim happens once per backward)."""
+    A forward pre-hook on each such layer does the forward's trim and puts a gradient hook on
+    the layer's input, when that input is part of the graph (``grad_fn`` set: not a forward
+    without gradients, nor the detached copy an activation-checkpoint recompute runs on, so
+    each trim happens once per pass)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     def trim(_grad: Any) -> None:
@@ -175,10 +185,12 @@ def trim_in_backward(model: Any, every: int = BACKWARD_TRIM_EVERY) -> list[Any]:
     def trim_last(_grad: Any) -> None:
         trim_heap()
 
-    def pre_hook(last: bool) -> Callable[[Any, tuple], None]:
+    def pre_hook(index: int, last: bool) -> Callable[[Any, tuple], None]:
         def hook(_module: Any, args: tuple) -> None:
             x = args[0] if args else None
             if getattr(x, "grad_fn", None) is not None:
+                if index > 0:
+                    trim_step_heap()
                 x.register_hook(trim_last if last else trim)
 
         return hook
@@ -187,7 +199,7 @@ def trim_in_backward(model: Any, every: int = BACKWARD_TRIM_EVERY) -> list[Any]:
     trained = bool(getattr(getattr(embeddings, "weight", None), "requires_grad", False))
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     return [
-        layer.register_forward_pre_hook(pre_hook(i == 0 and trained))
+        layer.register_forward_pre_hook(pre_hook(i, i == 0 and trained))
         for i, layer in enumerate(layers)
         if i % every == 0
     ]
@@ -203,7 +215,7 @@ def _callback_class() -> type:
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if kw.get("model") is not None and not self.handles:
-                self.handles = trim_in_backward(kw["model"])
+                self.handles = trim_at_layers(kw["model"])
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             for h in self.handles:
@@ -218,9 +230,9 @@ def _callback_class() -> type:
 
 def heap_trim_callback() -> Any:
     """A ``TrainerCallback`` returning the heap's free pages (:func:`trim_heap`) in the
-    backward pass (:func:`trim_in_backward`, installed at the start of training) and before
-    each optimizer step, where the heap holds at least :data:`STEP_TRIM_MIN_FREE` free (with the
-    chunked loss's own trim after the forward: the points of the module's measurement). For CPU
-    training. (One class for every call: ``isinstance(cb, type(heap_trim_callback()))`` finds
-    it.)"""
+    forward and backward passes (:func:`trim_at_layers`, installed at the start of training)
+    and before each optimizer step, where the heap holds at least :data:`STEP_TRIM_MIN_FREE`
+    free (with the chunked loss's own trim after the forward: the points of the module's
+    measurement). For CPU training. (One class for every call:
+    ``isinstance(cb, type(heap_trim_callback()))`` finds it.)"""
     return _callback_class()()
