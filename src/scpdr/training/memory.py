@@ -185,21 +185,22 @@ def trim_at_layers(model: Any, every: int = TRIM_EVERY_LAYERS) -> list[Any]:
     def trim_last(_grad: Any) -> None:
         trim_heap()
 
-    def pre_hook(index: int, last: bool) -> Callable[[Any, tuple], None]:
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    trained = bool(getattr(getattr(embeddings, "weight", None), "requires_grad", False))
+
+    def pre_hook(index: int) -> Callable[[Any, tuple], None]:
         def hook(_module: Any, args: tuple) -> None:
             x = args[0] if args else None
             if getattr(x, "grad_fn", None) is not None:
                 if index > 0:
                     trim_step_heap()
-                x.register_hook(trim_last if last else trim)
+                x.register_hook(trim_last if index == 0 and trained else trim)
 
         return hook
 
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    trained = bool(getattr(getattr(embeddings, "weight", None), "requires_grad", False))
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     return [
-        layer.register_forward_pre_hook(pre_hook(i, i == 0 and trained))
+        layer.register_forward_pre_hook(pre_hook(i))
         for i, layer in enumerate(layers)
         if i % every == 0
     ]
