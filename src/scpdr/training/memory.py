@@ -26,7 +26,7 @@ glibc's ``malloc`` keeps freed heap memory resident for reuse. Two places matter
   them, so RSS climbed through the backward (float32, Intel Xeon without bf16 units, 2
   threads, 8 x 256 tokens: 2.38 -> 3.18 GiB over the 30 layers, ~1 GiB of free heap beside)
   and the step's peak was at its end. Trimming after the backward of every 10th decoder layer
-  (:data:`BACKWARD_TRIM_EVERY`) gave that step 3.35-3.39 -> 2.89-2.90 GiB (every 5th layer:
+  (:data:`TRIM_EVERY_LAYERS`) gave that step 3.35-3.39 -> 2.89-2.90 GiB (every 5th layer:
   2.79-2.80), and bench_train's ``heap_trim_cost`` read 1.03 with it. Each trim inside a step
   runs only where the heap holds at least :data:`STEP_TRIM_MIN_FREE` (0.5 GiB) free
   (:func:`heap_free_bytes`): small steps free less (~0.4 GiB after the forward on 20 of the
