@@ -13,7 +13,8 @@ def test_short_records_are_not_packed_and_the_warmup_fits_the_steps():
     assert plan.batch_size == cfg.batch_size == 8
     assert plan.steps_per_epoch == 15 and plan.total_steps == 45
     assert plan.warmup_steps == cfg.warmup_steps <= MAX_WARMUP_FRACTION * plan.total_steps
-    assert plan.seq_len == 40 and plan.tokens == 40 * 113
+    # each batch padded to its longest (40) rounded up to a multiple of 16 (pad_to_multiple_of)
+    assert plan.seq_len == 48 and plan.tokens == 40 * 113 and plan.padding == 8 / 48
     assert not plan.warnings() and len(plan.changes) == 3
     assert "45 optimizer steps" in plan.summary()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from scpdr.data import Record, names2ids
+from scpdr.errors import ConfigError
 from scpdr.training import (
     TRAIN_INFO,
     CausalCollator,
@@ -23,6 +24,7 @@ from scpdr.training import (
     fit_to_data,
     goldfish_mask,
 )
+from scpdr.training.config import PAD_TO_MULTIPLE_OF
 from scpdr.training.sequences import GroupedSampler, epoch_order, padding_share
 
 
@@ -75,6 +77,49 @@ def test_padding_share_counts_pads_of_batches_padded_to_their_longest():
     assert padding_share([3, 1, 1], [0, 1, 2], 2) == pytest.approx(2 / 7)
 
 
+def test_collator_rounds_each_batch_up_to_the_multiple_and_the_share_counts_it():
+    rows = [_row([5, 6, 7]), _row([8, 9, 10, 11, 12]), _row([13, 14])]
+    batch = CausalCollator(pad_token_id=2, pad_to_multiple_of=4)(rows)
+    assert batch["input_ids"].shape == (3, 8)  # longest 5, rounded up to 8
+    assert batch["input_ids"][1].tolist() == [8, 9, 10, 11, 12, 2, 2, 2]
+    assert batch["attention_mask"].sum(1).tolist() == [3, 5, 2]
+    assert batch["labels"][1, 5:].tolist() == [-100] * 3
+    assert CausalCollator(pad_token_id=2, pad_to_multiple_of=5)(rows)["input_ids"].shape[1] == 5
+    assert CausalCollator(pad_token_id=2, pad_to_multiple_of=1)(rows)["input_ids"].shape[1] == 5
+    with pytest.raises(ConfigError, match="pad_to_multiple_of"):
+        CausalCollator(pad_token_id=2, pad_to_multiple_of=0)
+    # [4, 4] -> 6 wide, [2, 2] -> 3 wide: 18 tokens, 12 real
+    assert padding_share([2, 4, 4, 2], [1, 2, 0, 3], 2, 3) == pytest.approx(6 / 18)
+    # the share is what the collator builds, for any lengths, order, batch size and multiple
+    rng = random.Random(5)
+    for _ in range(20):
+        lengths = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 30))]
+        order = rng.sample(range(len(lengths)), len(lengths))
+        size, multiple = rng.randrange(1, 6), rng.randrange(1, 20)
+        collate = CausalCollator(pad_token_id=2, pad_to_multiple_of=multiple)
+        masks = [
+            collate([_row([7] * lengths[i]) for i in order[s : s + size]])["attention_mask"]
+            for s in range(0, len(order), size)
+        ]
+        built = 1 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
+        assert padding_share(lengths, order, size, multiple) == pytest.approx(built)
+
+
+def test_plan_splits_batches_by_their_rounded_width():
+    """A batch of records up to 250 tokens pads to 256 at a multiple of 16: 8 of them exceed
+    2000 tokens per forward pass and are split, while at the exact longest (8 x 250) they fit."""
+    lengths = [250] + [200] * 63
+    base = dict(batch_size=8, seq_len=512, packing=False, max_batch_tokens=2000)
+    _, rounded = fit_to_data(TrainConfig(**base), lengths, device="cpu")
+    _, exact = fit_to_data(TrainConfig(**base, pad_to_multiple_of=1), lengths, device="cpu")
+    assert rounded.seq_len == 256 and rounded.batch_size * 256 <= 2000 < 8 * 256
+    assert rounded.grad_accum * rounded.batch_size == 8
+    assert exact.seq_len == 250 and (exact.batch_size, exact.grad_accum) == (8, 1)
+    assert "rounded up" not in exact.summary()
+    _, packed = fit_to_data(TrainConfig(packing=True, seq_len=100), [30] * 50)
+    assert packed.pad_to_multiple_of == 1  # packed sequences are all seq_len long
+
+
 def test_length_grouped_order_is_seeded_by_epoch_and_pads_little():
     rng = random.Random(0)
     lengths = [max(2, int(rng.lognormvariate(4.5, 0.6))) for _ in range(450)]  # skewed
@@ -116,6 +161,7 @@ def test_plan_states_the_padding_of_the_batches_the_trainer_builds(tmp_path, tok
             lengths,
         )
         assert plan.grouped is group and not plan.packing
+        assert plan.pad_to_multiple_of == PAD_TO_MULTIPLE_OF > 1  # the default
         rows = build_sequences(records, tok, seq_len=cfg.seq_len, packing=False, seed=cfg.seed)
         args = TrainingArguments(
             output_dir=str(tmp_path),
@@ -130,7 +176,9 @@ def test_plan_states_the_padding_of_the_batches_the_trainer_builds(tmp_path, tok
             model=tiny_model(0),
             args=args,
             rows=rows,
-            collator=CausalCollator(pad_token_id=tok.eos_token_id),
+            collator=CausalCollator(
+                pad_token_id=tok.eos_token_id, pad_to_multiple_of=plan.pad_to_multiple_of
+            ),
             grouped=plan.grouped,
             chunked_loss=True,
             autocast=None,
@@ -144,6 +192,8 @@ def test_plan_states_the_padding_of_the_batches_the_trainer_builds(tmp_path, tok
             assert plan.padding_ungrouped is not None and plan.padding < plan.padding_ungrouped
             assert f"padding {plan.padding:.0%}" in plan.summary()
             assert "length-grouped batches" in plan.summary()
+            assert f"rounded up to a multiple of {PAD_TO_MULTIPLE_OF}" in plan.summary()
+        assert all(m.shape[1] % PAD_TO_MULTIPLE_OF == 0 for m in masks)
 
 
 def _resume_run(*, max_steps: int, save_steps: int) -> dict:

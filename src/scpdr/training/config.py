@@ -53,6 +53,9 @@ PAPER_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "packing": (True, False),
 }
 
+#: Unpacked batches are padded to a multiple of this many tokens (``pad_to_multiple_of``).
+PAD_TO_MULTIPLE_OF = 16
+
 #: Tokens one forward pass holds when training on CPU and ``max_batch_tokens`` is unset (about
 #: 0.4 GB of activations for the 135M model with gradient checkpointing; 8 x 256 fits whole).
 CPU_MAX_BATCH_TOKENS = 4096
@@ -62,6 +65,7 @@ CPU_MAX_BATCH_TOKENS = 4096
 #: trimming the heap only changes where freed memory goes.
 NOT_IN_FINGERPRINT = (
     "progress",
+    "pad_to_multiple_of",
     "logging_steps",
     "save_steps",
     "save_total_limit",
@@ -162,6 +166,15 @@ class TrainConfig(BaseModel):
         None,
         description="Batch sequences of similar length (as transformers' group_by_length), so "
         "each batch pads little; unset: on for unpacked records, off when packing.",
+    )
+    pad_to_multiple_of: int = Field(
+        PAD_TO_MULTIPLE_OF,
+        ge=1,
+        description="Pad each batch of unpacked records to its longest sequence rounded up to a "
+        "multiple of this many tokens: fewer distinct batch shapes, so the kernels oneDNN "
+        "builds and keeps per shape stay few (135M model, bf16 on CPU: peak RSS flat after 10 "
+        "steps of varied lengths instead of +0.53 GiB over 40, measured); 1: pad to the "
+        "longest exactly.",
     )
     chunked_loss: bool = Field(
         True,

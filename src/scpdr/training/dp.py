@@ -304,10 +304,11 @@ def finetune_dp(
         num_warmup_steps=cfg.warmup_steps,
         num_training_steps=dp.steps,
     )
-    collate = CausalCollator(  # each Poisson batch padded to its longest record
+    collate = CausalCollator(  # each Poisson batch padded to its longest record, rounded up
         goldfish_k=cfg.goldfish_k if cfg.goldfish else None,
         goldfish_h=cfg.goldfish_h,
         pad_token_id=tok.eos_token_id,
+        pad_to_multiple_of=cfg.pad_to_multiple_of,  # DP never packs
     )
     sampler = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, Any]] = []

@@ -262,6 +262,7 @@ def finetune(
             goldfish_k=cfg.goldfish_k if cfg.goldfish else None,
             goldfish_h=cfg.goldfish_h,
             pad_token_id=tok.eos_token_id,
+            pad_to_multiple_of=plan.pad_to_multiple_of,  # 1 when packing (training/plan.py)
         ),
         grouped=plan.grouped,  # group_by_length, resolved by the plan
         chunked_loss=cfg.chunked_loss,

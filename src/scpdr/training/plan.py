@@ -40,7 +40,7 @@ from typing import Any
 
 from scpdr.data.records import Record
 from scpdr.training.config import CPU_MAX_BATCH_TOKENS, TrainConfig, make_config
-from scpdr.training.sequences import epoch_order, example_order, padding_share
+from scpdr.training.sequences import epoch_order, example_order, padded_width, padding_share
 
 __all__ = [
     "MAX_WARMUP_FRACTION",
@@ -94,6 +94,8 @@ class TrainPlan:
     gradient_checkpointing: bool = False
     #: the most tokens one forward pass holds (``max_batch_tokens``, resolved; None: no limit)
     max_batch_tokens: int | None = None
+    #: each batch padded to its longest rounded up to a multiple of this (1: packed, or exact)
+    pad_to_multiple_of: int = 1
 
     def warnings(self) -> list[str]:
         """Why this plan cannot (or can hardly) learn, in words; empty when it can."""
@@ -127,8 +129,13 @@ class TrainPlan:
                 if self.padding_ungrouped is not None
                 else ""
             )
+            to = (
+                f"its longest rounded up to a multiple of {self.pad_to_multiple_of}"
+                if self.pad_to_multiple_of > 1
+                else "its longest"
+            )
             seqs = (
-                f"one per sequence, each batch padded to its longest: padding {self.padding:.0%} "
+                f"one per sequence, each batch padded to {to}: padding {self.padding:.0%} "
                 f"of the batches' tokens ({how}{other})"
             )
         lines = [
@@ -224,7 +231,9 @@ def fit_to_data(
     max_tokens = cfg.max_batch_tokens
     if max_tokens is None and on_cpu:
         max_tokens = CPU_MAX_BATCH_TOKENS
-    width = cfg.seq_len if packing else min(cfg.seq_len, longest)  # a batch's padded length
+    multiple = 1 if packing else int(cfg.pad_to_multiple_of)  # packed: all seq_len long
+    # a batch's padded length at most
+    width = cfg.seq_len if packing else padded_width(min(cfg.seq_len, longest), multiple)
     if max_tokens and width and batch * width > max_tokens:
         fit = [d for d in range(1, batch + 1) if batch % d == 0 and d * width <= max_tokens]
         micro = max(fit, default=1)  # one sequence longer than the limit still goes alone
@@ -260,7 +269,7 @@ def fit_to_data(
 
         def share_of(group: bool) -> float:
             ids = epoch_order(seqs, batch_size=batch * accum, seed=cfg.seed, grouped=group)
-            return padding_share(seqs, ids, batch)
+            return padding_share(seqs, ids, batch, multiple)
 
         share, ungrouped = share_of(grouped), share_of(False) if grouped else None
     plan = TrainPlan(
@@ -287,5 +296,6 @@ def fit_to_data(
         precision=precision,
         gradient_checkpointing=bool(checkpointing),
         max_batch_tokens=max_tokens,
+        pad_to_multiple_of=multiple,
     )
     return cfg, plan
