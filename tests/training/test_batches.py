@@ -286,9 +286,10 @@ def test_resumed_ddp_epoch_gets_that_epochs_grouped_order():
 
 
 def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok):
-    """An interrupted run whose run.json records no `grouped` (started before length grouping
-    existed: it trained in random order) resumes in random order, to the weights of a run
-    with group_by_length false; run.json and train_info record the grouping used."""
+    """An interrupted run whose run.json records no `grouped` nor `pad_to_multiple_of`
+    (started before either existed: random order, batches padded to their longest exactly)
+    resumes so, to the weights of a run with group_by_length false and pad_to_multiple_of 1;
+    run.json and train_info record what was used."""
     import shutil
 
     from safetensors.torch import load_file
@@ -315,21 +316,22 @@ def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok
         return tmp
 
     unset = TrainConfig(**common)  # group_by_length unset: grouped now (unpacked records)
-    random_order = TrainConfig(group_by_length=False, **common)
+    random_order = TrainConfig(group_by_length=False, pad_to_multiple_of=1, **common)
     legacy = interrupted(unset, tmp_path / "legacy")
     run = json.loads((legacy / "run.json").read_text())
-    assert run["grouped"] is True
+    assert run["grouped"] is True and run["pad_to_multiple_of"] == PAD_TO_MULTIPLE_OF
     # as a run from before grouping: random order up to its checkpoint, no `grouped` recorded
     old = interrupted(random_order, tmp_path / "old")
     shutil.rmtree(legacy / "checkpoint-3")
     shutil.copytree(old / "checkpoint-3", legacy / "checkpoint-3")
-    del run["grouped"]
+    del run["grouped"], run["pad_to_multiple_of"]
     (legacy / "run.json").write_text(json.dumps(run))
 
     resumed = finetune(records, base=base, config=unset, out=tmp_path / "legacy")
     info = json.loads((resumed / TRAIN_INFO).read_text())
     assert info["resumed_from"] == "checkpoint-3"
     assert info["plan"]["grouped"] is False and info["config"]["group_by_length"] is False
+    assert info["plan"]["pad_to_multiple_of"] == info["config"]["pad_to_multiple_of"] == 1
     straight = finetune(records, base=base, config=random_order, out=tmp_path / "straight")
     a = load_file(str(Path(straight) / "model.safetensors"))
     b = load_file(str(Path(resumed) / "model.safetensors"))

@@ -233,19 +233,25 @@ def test_eval_forgotten_prints_the_rows_before_and_after(forgot, tmp_path, capsy
 def test_retraining_pins_the_precision_and_grouping_the_run_used():
     """forget trains a constituent again as it was trained: `auto` becomes the precision the
     run recorded, an unset group_by_length the grouping its plan recorded (none recorded: a
-    run from before grouping, random order)."""
+    run from before grouping, random order), an unset pad_to_multiple_of its plan's (none
+    recorded: 1)."""
     from scpdr.training import TrainConfig
     from scpdr.training.forget import _as_trained
 
     auto = TrainConfig(packing=False)
-    info = {"precision": {"precision": "bf16", "requested": "auto"}, "plan": {"grouped": True}}
+    plan = {"grouped": True, "pad_to_multiple_of": 8}
+    info = {"precision": {"precision": "bf16", "requested": "auto"}, "plan": plan}
     cfg = _as_trained(auto, info)
     assert cfg.precision == "bf16" and cfg.group_by_length is True
-    # before precision and grouping were recorded: bf16: false loads as fp32; no grouping
+    assert cfg.pad_to_multiple_of == 8
+    # before precision, grouping and the padding multiple were recorded: bf16: false loads as
+    # fp32; no grouping; batches padded to their longest exactly
     old = TrainConfig.from_dict({"bf16": False, "packing": False})
     cfg = _as_trained(old, {"plan": {"packing": False}})
     assert cfg.precision == "fp32" and cfg.group_by_length is False
+    assert cfg.pad_to_multiple_of == 1
     assert _as_trained(auto, {}).group_by_length is False
+    assert _as_trained(auto, {}).pad_to_multiple_of == 1
     # what the config fixed is kept
-    fixed = TrainConfig(precision="fp32", group_by_length=True)
+    fixed = TrainConfig(precision="fp32", group_by_length=True, pad_to_multiple_of=4)
     assert _as_trained(fixed, info) == fixed

@@ -65,7 +65,6 @@ CPU_MAX_BATCH_TOKENS = 4096
 #: trimming the heap only changes where freed memory goes.
 NOT_IN_FINGERPRINT = (
     "progress",
-    "pad_to_multiple_of",
     "logging_steps",
     "save_steps",
     "save_total_limit",
@@ -167,14 +166,14 @@ class TrainConfig(BaseModel):
         description="Batch sequences of similar length (as transformers' group_by_length), so "
         "each batch pads little; unset: on for unpacked records, off when packing.",
     )
-    pad_to_multiple_of: int = Field(
-        PAD_TO_MULTIPLE_OF,
+    pad_to_multiple_of: int | None = Field(
+        None,
         ge=1,
         description="Pad each batch of unpacked records to its longest sequence rounded up to a "
         "multiple of this many tokens: fewer distinct batch shapes, so the kernels oneDNN "
         "builds and keeps per shape stay few (135M model, bf16 on CPU: peak RSS flat after 10 "
         "steps of varied lengths instead of +0.53 GiB over 40, measured); 1: pad to the "
-        "longest exactly.",
+        f"longest exactly; unset: {PAD_TO_MULTIPLE_OF}.",
     )
     chunked_loss: bool = Field(
         True,
@@ -358,7 +357,7 @@ class TrainConfig(BaseModel):
         checkpointing, progress or the chunked loss). Runs trained before ``precision`` and
         ``group_by_length`` existed keep theirs: precision counts as ``bf16: true/false``
         (``auto`` as false: :func:`~scpdr.training.finetune.finetune` adds what it resolves to)
-        and ``group_by_length`` only when set."""
+        and ``group_by_length`` and ``pad_to_multiple_of`` only when set."""
         d = self.resolved().model_dump(mode="json")
         for k in NOT_IN_FINGERPRINT:
             d.pop(k)
@@ -370,6 +369,8 @@ class TrainConfig(BaseModel):
         d["bf16"] = d.pop("precision") == "bf16"
         if d["group_by_length"] is None:
             d.pop("group_by_length")
+        if d["pad_to_multiple_of"] is None:  # likewise only when set (runs from before it)
+            d.pop("pad_to_multiple_of")
         # neither changes what is learned: checkpointing recomputes the same activations, and
         # micro-batches accumulate to the same batch (kept as it was before either existed)
         d["gradient_checkpointing"] = bool(d["gradient_checkpointing"])

@@ -167,25 +167,24 @@ def finetune(
     elif out.exists() and not overwrite:
         raise ConfigError(f"{out} exists and is not a finished training run; remove it first")
     resume_ckpt = choose_checkpoint(out, tmp, run, resume)  # before any model loads
-    grouping = _resumed_grouping(tmp, cfg, resume_ckpt)
+    kept = _resumed_batching(tmp, cfg, resume_ckpt)
     wait_for_everyone()  # every process has decided before the main one writes
     if is_main_process():
         if resume_ckpt is None and tmp.is_dir():
             shutil.rmtree(tmp)  # a start without a checkpoint: nothing in it to keep
         tmp.mkdir(parents=True, exist_ok=True)
-        # a resumed run's grouping is kept (rewritten with the plan's below)
-        kept = {} if grouping is None else {"grouped": grouping}
-        atomic_write_json(tmp / RUN_INFO, {**run, **kept})
+        # a resumed run's batching is kept (rewritten with the plan's below)
+        atomic_write_json(tmp / RUN_INFO, {**run, **_as_recorded(kept)})
 
     model, tok, base_ref = load_base(base)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     # sizing to the data (training/plan.py): packing, batch and warm-up the caller left unset
-    if grouping is not None:  # a resumed run keeps the grouping it started with
+    if kept:  # a resumed run keeps the grouping and padding it started with
         raw = (
             config if isinstance(config, TrainConfig) else TrainConfig.from_dict(dict(config or {}))
         )
-        config = raw.model_copy(update={"group_by_length": grouping})
+        config = raw.model_copy(update=kept)
     cfg, plan = fit_to_data(
         config,
         example_lengths(records, tok),
@@ -193,8 +192,9 @@ def finetune(
         precision=precision.summary,
         device=dev,
     )
-    if is_main_process():  # the grouping resolved (a resumed run reads it back)
-        atomic_write_json(tmp / RUN_INFO, {**run, "grouped": plan.grouped})
+    if is_main_process():  # the batching resolved (a resumed run reads it back)
+        resolved = {"grouped": plan.grouped, "pad_to_multiple_of": plan.pad_to_multiple_of}
+        atomic_write_json(tmp / RUN_INFO, {**run, **resolved})
     logger.debug("plan of %s:\n%s", out, plan.summary())
     logger.info("%s: precision %s", out.name, precision.summary)
     for warning in plan.warnings():
@@ -347,14 +347,27 @@ def finetune(
     return out
 
 
-def _resumed_grouping(tmp: Path, cfg: TrainConfig, ckpt: Path | None) -> bool | None:
-    """The length grouping a run resumed from ``ckpt`` keeps (``None``: as the config resolves
-    it): with ``group_by_length`` unset, what its ``run.json`` recorded (``grouped``), and
-    ``False`` for a run started before grouping existed (no ``grouped``: it trained in random
-    order), so that it resumes to the weights it would have reached."""
-    if ckpt is None or cfg.group_by_length is not None or not (tmp / RUN_INFO).is_file():
-        return None
-    return bool(read_json(tmp / RUN_INFO).get("grouped", False))
+def _resumed_batching(tmp: Path, cfg: TrainConfig, ckpt: Path | None) -> dict[str, Any]:
+    """The batching a run resumed from ``ckpt`` keeps, as config fields (empty: as the config
+    resolves it), for each of ``group_by_length`` and ``pad_to_multiple_of`` left unset: what
+    its ``run.json`` recorded (``grouped``, ``pad_to_multiple_of``), and for a run started
+    before either existed what it trained with (random order; batches padded to their longest
+    exactly: 1), so that it resumes to the weights it would have reached."""
+    if ckpt is None or not (tmp / RUN_INFO).is_file():
+        return {}
+    info = read_json(tmp / RUN_INFO)
+    kept: dict[str, Any] = {}
+    if cfg.group_by_length is None:
+        kept["group_by_length"] = bool(info.get("grouped", False))
+    if cfg.pad_to_multiple_of is None:
+        kept["pad_to_multiple_of"] = int(info.get("pad_to_multiple_of", 1))
+    return kept
+
+
+def _as_recorded(kept: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_resumed_batching`'s fields under the names ``run.json`` records them by."""
+    names = {"group_by_length": "grouped", "pad_to_multiple_of": "pad_to_multiple_of"}
+    return {names[k]: v for k, v in kept.items()}
 
 
 def _skip_final_checkpoint() -> TrainerCallback:

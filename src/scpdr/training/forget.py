@@ -220,15 +220,19 @@ def _as_trained(cfg: TrainConfig, info: dict[str, Any]) -> TrainConfig:
     """``cfg`` with what ``train_info.json`` says the run resolved pinned: the precision it
     trained in (``auto`` decides again on another machine, or after a re-measurement) and,
     with ``group_by_length`` unset, the grouping it used (``plan.grouped``; a run from before
-    grouping existed trained in random order: ``False``)."""
+    grouping existed trained in random order: ``False``), and with ``pad_to_multiple_of``
+    unset, the multiple its batches were padded to (``plan.pad_to_multiple_of``; before the
+    rounding existed: 1)."""
     update: dict[str, Any] = {}
     ran = info.get("precision")
     ran = ran.get("precision") if isinstance(ran, dict) else ran
     if cfg.precision == "auto" and ran in ("fp32", "bf16"):
         update["precision"] = ran
+    plan = info.get("plan") if isinstance(info.get("plan"), dict) else {}
     if cfg.group_by_length is None:
-        plan = info.get("plan")
-        update["group_by_length"] = bool(isinstance(plan, dict) and plan.get("grouped", False))
+        update["group_by_length"] = bool(plan.get("grouped", False))
+    if cfg.pad_to_multiple_of is None:
+        update["pad_to_multiple_of"] = int(plan.get("pad_to_multiple_of", 1))
     return cfg.model_copy(update=update) if update else cfg
 
 

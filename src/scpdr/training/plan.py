@@ -14,6 +14,10 @@ the user set and sizes the rest to the data:
 - **warm-up** (unset): at most 10% of the optimizer steps (the paper's 50 when there are ≥ 500);
 - **length grouping** (``group_by_length`` unset): on for unpacked records, so that each batch,
   padded to its own longest sequence, holds records of similar length;
+- **padding multiple** (``pad_to_multiple_of`` unset): each unpacked batch's width rounded up to
+  a multiple of :data:`~scpdr.training.config.PAD_TO_MULTIPLE_OF` tokens, so that a run has few
+  distinct batch shapes (:class:`~scpdr.training.sequences.CausalCollator`); the padding share
+  and the ``max_batch_tokens`` split count that width;
 - **memory** (on the device ``fit_to_data`` is given): gradient checkpointing
   (``gradient_checkpointing`` unset) on when training on CPU — a laptop runs out of memory long
   before a GPU does, and the activations are most of a step's memory (135M model, 8 x 256 tokens,
@@ -39,7 +43,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from scpdr.data.records import Record
-from scpdr.training.config import CPU_MAX_BATCH_TOKENS, TrainConfig, make_config
+from scpdr.training.config import (
+    CPU_MAX_BATCH_TOKENS,
+    PAD_TO_MULTIPLE_OF,
+    TrainConfig,
+    make_config,
+)
 from scpdr.training.sequences import epoch_order, example_order, padded_width, padding_share
 
 __all__ = [
@@ -231,7 +240,8 @@ def fit_to_data(
     max_tokens = cfg.max_batch_tokens
     if max_tokens is None and on_cpu:
         max_tokens = CPU_MAX_BATCH_TOKENS
-    multiple = 1 if packing else int(cfg.pad_to_multiple_of)  # packed: all seq_len long
+    # packed: every sequence is seq_len long; unset: PAD_TO_MULTIPLE_OF
+    multiple = 1 if packing else int(cfg.pad_to_multiple_of or PAD_TO_MULTIPLE_OF)
     # a batch's padded length at most
     width = cfg.seq_len if packing else padded_width(min(cfg.seq_len, longest), multiple)
     if max_tokens and width and batch * width > max_tokens:
