@@ -308,7 +308,7 @@ def finetune_dp(
         goldfish_k=cfg.goldfish_k if cfg.goldfish else None,
         goldfish_h=cfg.goldfish_h,
         pad_token_id=tok.eos_token_id,
-        pad_to_multiple_of=cfg.pad_to_multiple_of,  # DP never packs
+        pad_to_multiple_of=plan.pad_to_multiple_of,  # resolved by the plan (DP never packs)
     )
     sampler = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, Any]] = []

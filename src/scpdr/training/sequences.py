@@ -1,7 +1,8 @@
 """Records → training sequences → batches: :func:`build_sequences` (packing, or one record per
 sequence; paper App. E), :class:`GroupedSampler` (length-grouped batches, as transformers'
 ``group_by_length``) and :class:`CausalCollator` (pads each batch to its longest sequence, rounded
-up to a multiple of ``pad_to_multiple_of`` tokens, applies the goldfish mask to the labels); :func:`padding_share` says how much of the batches is padding."""
+up to a multiple of ``pad_to_multiple_of`` tokens, applies the goldfish mask to the labels);
+:func:`padding_share` says how much of the batches is padding."""
 
 from __future__ import annotations
 
