@@ -221,8 +221,7 @@ def _as_trained(cfg: TrainConfig, info: dict[str, Any]) -> TrainConfig:
     trained in (``auto`` decides again on another machine, or after a re-measurement) and,
     with ``group_by_length`` unset, the grouping it used (``plan.grouped``; a run from before
     grouping existed trained in random order: ``False``), and with ``pad_to_multiple_of``
-    unset, the multiple its batches were padded to (``plan.pad_to_multiple_of``; before the
-    rounding existed: 1)."""
+    unset, its batches' padding multiple (``plan.pad_to_multiple_of``; before it existed: 1)."""
     update: dict[str, Any] = {}
     ran = info.get("precision")
     ran = ran.get("precision") if isinstance(ran, dict) else ran
