@@ -52,7 +52,7 @@ from scpdr.training.placement import (
     wait_for_everyone,
     world_size,
 )
-from scpdr.training.plan import example_lengths, fit_to_data
+from scpdr.training.plan import example_lengths, fit_to_data, recorded_batching
 from scpdr.training.precision import resolve_precision
 from scpdr.training.resume import RUN_INFO, choose_checkpoint
 from scpdr.training.sequences import CausalCollator, build_sequences
@@ -167,14 +167,15 @@ def finetune(
     elif out.exists() and not overwrite:
         raise ConfigError(f"{out} exists and is not a finished training run; remove it first")
     resume_ckpt = choose_checkpoint(out, tmp, run, resume)  # before any model loads
-    kept = _resumed_batching(tmp, cfg, resume_ckpt)
+    recorded = _resumed_batching(tmp, resume_ckpt)
+    kept = {} if recorded is None else recorded_batching(cfg, recorded)
     wait_for_everyone()  # every process has decided before the main one writes
     if is_main_process():
         if resume_ckpt is None and tmp.is_dir():
             shutil.rmtree(tmp)  # a start without a checkpoint: nothing in it to keep
         tmp.mkdir(parents=True, exist_ok=True)
         # a resumed run's batching is kept (rewritten with the plan's below)
-        atomic_write_json(tmp / RUN_INFO, {**run, **_as_recorded(kept)})
+        atomic_write_json(tmp / RUN_INFO, {**run, **(recorded or {})})
 
     model, tok, base_ref = load_base(base)
     if tok.pad_token_id is None:
@@ -347,27 +348,15 @@ def finetune(
     return out
 
 
-def _resumed_batching(tmp: Path, cfg: TrainConfig, ckpt: Path | None) -> dict[str, Any]:
-    """The batching a run resumed from ``ckpt`` keeps, as config fields (empty: as the config
-    resolves it), for each of ``group_by_length`` and ``pad_to_multiple_of`` left unset: what
-    its ``run.json`` recorded (``grouped``, ``pad_to_multiple_of``), and for a run started
-    before either existed what it trained with (random order; batches padded to their longest
-    exactly: 1), so that it resumes to the weights it would have reached."""
+def _resumed_batching(tmp: Path, ckpt: Path | None) -> dict[str, Any] | None:
+    """The batching a run resumed from ``ckpt`` recorded in its ``run.json`` (``grouped``,
+    ``pad_to_multiple_of``; a run from before either records fewer), or None when nothing is
+    resumed. :func:`~scpdr.training.plan.recorded_batching` pins it, so that the run resumes to
+    the weights it would have reached."""
     if ckpt is None or not (tmp / RUN_INFO).is_file():
-        return {}
+        return None
     info = read_json(tmp / RUN_INFO)
-    kept: dict[str, Any] = {}
-    if cfg.group_by_length is None:
-        kept["group_by_length"] = bool(info.get("grouped", False))
-    if cfg.pad_to_multiple_of is None:
-        kept["pad_to_multiple_of"] = int(info.get("pad_to_multiple_of", 1))
-    return kept
-
-
-def _as_recorded(kept: dict[str, Any]) -> dict[str, Any]:
-    """:func:`_resumed_batching`'s fields under the names ``run.json`` records them by."""
-    names = {"group_by_length": "grouped", "pad_to_multiple_of": "pad_to_multiple_of"}
-    return {names[k]: v for k, v in kept.items()}
+    return {k: info[k] for k in ("grouped", "pad_to_multiple_of") if k in info}
 
 
 def _skip_final_checkpoint() -> TrainerCallback:

@@ -58,6 +58,7 @@ from scpdr.errors import BundleError, ConfigError
 from scpdr.io import atomic_write_json, read_json, sha256_file
 from scpdr.training.config import TrainConfig
 from scpdr.training.loading import TRAIN_INFO
+from scpdr.training.plan import recorded_batching
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback
@@ -227,11 +228,8 @@ def _as_trained(cfg: TrainConfig, info: dict[str, Any]) -> TrainConfig:
     ran = ran.get("precision") if isinstance(ran, dict) else ran
     if cfg.precision == "auto" and ran in ("fp32", "bf16"):
         update["precision"] = ran
-    plan = info.get("plan") if isinstance(info.get("plan"), dict) else {}
-    if cfg.group_by_length is None:
-        update["group_by_length"] = bool(plan.get("grouped", False))
-    if cfg.pad_to_multiple_of is None:
-        update["pad_to_multiple_of"] = int(plan.get("pad_to_multiple_of", 1))
+    plan = info.get("plan")
+    update.update(recorded_batching(cfg, plan if isinstance(plan, dict) else {}))
     return cfg.model_copy(update=update) if update else cfg
 
 

@@ -170,6 +170,20 @@ class TrainPlan:
         return {**asdict(self), "warnings": self.warnings()}
 
 
+def recorded_batching(cfg: TrainConfig, recorded: dict[str, Any]) -> dict[str, Any]:
+    """Config updates pinning the batching a run recorded (``grouped`` and
+    ``pad_to_multiple_of``, as its plan and its ``run.json`` hold them), for each of
+    ``group_by_length`` and ``pad_to_multiple_of`` that ``cfg`` leaves unset; a run that
+    recorded neither predates them: random order (``False``), batches padded to their longest
+    exactly (1)."""
+    out: dict[str, Any] = {}
+    if cfg.group_by_length is None:
+        out["group_by_length"] = bool(recorded.get("grouped", False))
+    if cfg.pad_to_multiple_of is None:
+        out["pad_to_multiple_of"] = int(recorded.get("pad_to_multiple_of", 1))
+    return out
+
+
 def example_lengths(records: Sequence[Record], tokenizer: Any) -> list[int]:
     """Tokens of each record's training example (its text and the EOS that ends it), as
     :func:`~scpdr.training.sequences.build_sequences` makes them."""
