@@ -127,12 +127,13 @@ def lora_dropout_speedup(*, repeats: int) -> float:
     return med["torch"] / med["scpdr"]
 
 
-def _plan(lengths: list[int], batch: int) -> Any:
-    """The plan ``scpdr train`` makes on CPU for records of these lengths at this batch."""
+def _plan(lengths: list[int], batch: int, precision: Any) -> Any:
+    """The plan ``scpdr train`` makes on CPU for records of these lengths at this batch, in
+    this precision (a :class:`~scpdr.training.precision.PrecisionChoice`)."""
     from scpdr.training.plan import fit_to_data
 
     config = {"batch_size": batch, "packing": False, "seq_len": max(lengths)}
-    return fit_to_data(config, lengths, device="cpu")[1]
+    return fit_to_data(config, lengths, precision=precision, device="cpu")[1]
 
 
 def cpu_checkpointing() -> bool:
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf": epoch_order(lengths, batch_size=args.batch, seed=0, grouped=False),
     }
     # scpdr pads each batch to a multiple of the plan's (as scpdr train does), HF to its longest
-    multiple = {"scpdr": _plan(lengths, args.batch).pad_to_multiple_of, "hf": 1}
+    multiple = {"scpdr": _plan(lengths, args.batch, precision).pad_to_multiple_of, "hf": 1}
     shares = {k: padding_share(lengths, o, args.batch, multiple[k]) for k, o in orders.items()}
     rng = random.Random(0)
     n_batches = len(rows) // args.batch

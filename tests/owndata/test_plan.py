@@ -39,3 +39,34 @@ def test_long_records_keep_the_papers_packing():
 def test_a_resolved_lora_config_keeps_its_batch():
     cfg, plan = fit_to_data({"lora": True, "epochs": 2}, [30] * 100)
     assert cfg.lora and not plan.packing and plan.batch_size == 64  # LoRA's paper batch
+
+
+def test_the_padding_multiple_follows_the_precision_unless_set():
+    """Unset, bf16 runs round each batch's width up to PAD_TO_MULTIPLE_OF (oneDNN keeps kernels
+    per shape) and fp32 runs pad to the longest exactly; a set multiple wins either way, and a
+    DP run (fp32 whatever --precision says) pads exactly."""
+    from scpdr.training.config import PAD_TO_MULTIPLE_OF
+    from scpdr.training.dp import DP_PRECISION
+    from scpdr.training.plan import default_pad_multiple
+    from scpdr.training.precision import PrecisionChoice
+
+    bf16 = PrecisionChoice("bf16", "auto", "avx512_bf16 and 1.9x faster")
+    fp32 = PrecisionChoice("fp32", "auto", "no bf16 units")
+    assert default_pad_multiple(bf16) == PAD_TO_MULTIPLE_OF == 16
+    assert default_pad_multiple(fp32) == default_pad_multiple(DP_PRECISION) == 1
+    assert default_pad_multiple(None) == PAD_TO_MULTIPLE_OF  # as before precision was known
+    lengths = [40] * 113
+    _, b = fit_to_data(TrainConfig(epochs=3), lengths, precision=bf16)
+    _, f = fit_to_data(TrainConfig(epochs=3), lengths, precision=fp32)
+    assert (b.pad_to_multiple_of, b.seq_len, b.padding) == (16, 48, 8 / 48)
+    assert (f.pad_to_multiple_of, f.seq_len, f.padding) == (1, 40, 0.0)
+    assert "rounded up to a multiple of 16" in b.summary() and "precision bf16: avx512" in (
+        b.summary()
+    )
+    assert "rounded up" not in f.summary() and "precision fp32: no bf16 units" in f.summary()
+    _, set8 = fit_to_data(TrainConfig(epochs=3, pad_to_multiple_of=8), lengths, precision=fp32)
+    assert (set8.pad_to_multiple_of, set8.seq_len) == (8, 40)
+    _, set1 = fit_to_data(TrainConfig(epochs=3, pad_to_multiple_of=1), lengths, precision=bf16)
+    assert (set1.pad_to_multiple_of, set1.seq_len) == (1, 40)
+    _, dp = fit_to_data(TrainConfig(dp_epsilon=8.0), [35] * 64, precision=DP_PRECISION)
+    assert dp.pad_to_multiple_of == 1 and dp.seq_len == 35

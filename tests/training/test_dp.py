@@ -140,6 +140,8 @@ def test_cli_train_dp_writes_epsilon_and_sigma_into_the_manifest(tmp_path, capsy
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "DP-SGD" in printed and "noise multiplier" in printed
+    assert "precision fp32: DP-SGD trains in fp32" in printed  # its plan: batches padded exactly
+    assert "rounded up to a multiple" not in printed
     dp = read_bundle(out).extra["dp"]
     assert dp["epsilon"] <= 8 and len(dp["constituents"]) == 2
     for c in dp["constituents"]:

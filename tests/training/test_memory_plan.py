@@ -11,8 +11,7 @@ import torch
 
 from scpdr.data import names2ids
 from scpdr.training import finetune, fit_to_data
-from scpdr.training.config import CPU_MAX_BATCH_TOKENS, PAD_TO_MULTIPLE_OF
-from scpdr.training.sequences import padded_width
+from scpdr.training.config import CPU_MAX_BATCH_TOKENS
 
 
 def test_cpu_checkpoints_activations_a_gpu_and_the_users_choice_do_not():
@@ -70,8 +69,7 @@ def _weights(out) -> dict[str, torch.Tensor]:
 def test_micro_batches_learn_what_the_whole_batch_learns(tmp_path, tiny_bundle, records):
     """Two optimizer steps of 8 records, once whole and once as 4 micro-batches of 2 (the
     limit at twice the longest record's padded width): the same weights, to float rounding."""
-    from scpdr.models import load_tokenizer
-    from scpdr.training import TRAIN_INFO, example_lengths
+    from scpdr.training import TRAIN_INFO
 
     base = tiny_bundle / "base"
     run = dict(
@@ -85,9 +83,9 @@ def test_micro_batches_learn_what_the_whole_batch_learns(tmp_path, tiny_bundle, 
         neftune_alpha=0,  # NEFTune's noise is drawn per forward pass: not the same draws
         progress=False,
     )
-    longest = max(example_lengths(records, load_tokenizer(base)))
     whole = finetune(records, base=base, config=run, out=tmp_path / "whole")
-    limit = 2 * padded_width(min(longest, 64), PAD_TO_MULTIPLE_OF)  # a batch's padded width
+    width = json.loads((whole / TRAIN_INFO).read_text())["plan"]["seq_len"]  # padded, at most
+    limit = 2 * width
     split = finetune(
         records, base=base, config={**run, "max_batch_tokens": limit}, out=tmp_path / "split"
     )

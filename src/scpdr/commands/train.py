@@ -37,10 +37,13 @@ def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None
     from scpdr.training.precision import resolve_precision
 
     tok = load_tokenizer(base_ref)
-    why, dev = "", None  # DP runs size their own batches (training/dp.py)
-    if not config.dp:
+    if config.dp:  # DP runs size their own batches, in fp32 (training/dp.py)
+        from scpdr.training.dp import DP_PRECISION
+
+        choice, dev = DP_PRECISION, None
+    else:
         dev = training_device(device)
-        why = main_result(lambda: resolve_precision(config.precision, device=dev)).summary
+        choice = main_result(lambda: resolve_precision(config.precision, device=dev))
     typer.echo(f"training plan ({pset.k} constituents):")
     for i, part in enumerate(pset.parts):
         if part:
@@ -48,7 +51,7 @@ def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None
                 config,
                 example_lengths(part, tok),
                 name=f"constituent-{i}",
-                precision=why,
+                precision=choice,
                 device=dev,
             )
             typer.echo(plan.summary())

@@ -53,7 +53,8 @@ PAPER_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "packing": (True, False),
 }
 
-#: Unpacked batches are padded to a multiple of this many tokens (``pad_to_multiple_of``).
+#: Unpacked batches trained in bf16 are padded to a multiple of this many tokens
+#: (``pad_to_multiple_of`` unset; in fp32: 1, the longest exactly: :func:`scpdr.training.plan.default_pad_multiple`).
 PAD_TO_MULTIPLE_OF = 16
 
 #: Tokens one forward pass holds when training on CPU and ``max_batch_tokens`` is unset (about
@@ -172,8 +173,9 @@ class TrainConfig(BaseModel):
         description="Pad each batch of unpacked records to its longest sequence rounded up to a "
         "multiple of this many tokens: fewer distinct batch shapes, so the kernels oneDNN "
         "builds and keeps per shape stay few (135M model, bf16 on CPU: peak RSS flat after 10 "
-        "steps of varied lengths instead of +0.53 GiB over 40, measured); 1: pad to the "
-        f"longest exactly; unset: {PAD_TO_MULTIPLE_OF}.",
+        "steps of varied lengths instead of +0.53 GiB over 40, measured; fp32 matmuls crept "
+        "< 0.1 GiB either way); 1: pad to the longest exactly; unset: "
+        f"{PAD_TO_MULTIPLE_OF} when training in bf16, 1 in fp32.",
     )
     chunked_loss: bool = Field(
         True,

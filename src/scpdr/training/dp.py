@@ -49,12 +49,14 @@ from scpdr.io import atomic_write_json, read_json
 from scpdr.training.config import TrainConfig, make_config
 from scpdr.training.loading import TRAIN_INFO, load_base, untie_lm_head, wrap_lora
 from scpdr.training.plan import example_lengths, fit_to_data
+from scpdr.training.precision import PrecisionChoice
 from scpdr.training.sequences import CausalCollator, build_sequences
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ACCOUNTANT",
+    "DP_PRECISION",
     "DPPlan",
     "bundle_dp_record",
     "dp_plan",
@@ -68,6 +70,8 @@ __all__ = [
 #: RDP accountant (Mironov 2017; a valid, looser bound) is used instead and recorded.
 ACCOUNTANT = "prv"
 FALLBACK_ACCOUNTANT = "rdp"
+#: what a DP run trains in, whatever ``--precision`` says (no autocast around Opacus' hooks)
+DP_PRECISION = PrecisionChoice("fp32", "fp32", "DP-SGD trains in fp32")
 
 
 def require_opacus() -> Any:
@@ -267,7 +271,9 @@ def finetune_dp(
     model, tok, base_ref = load_base(base)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    cfg, plan = fit_to_data(config, example_lengths(records, tok), name=out.name)
+    cfg, plan = fit_to_data(
+        config, example_lengths(records, tok), name=out.name, precision=DP_PRECISION
+    )
     rows = build_sequences(
         records,
         tok,

@@ -190,7 +190,7 @@ def finetune(
         config,
         example_lengths(records, tok),
         name=out.name,
-        precision=precision.summary,
+        precision=precision,
         device=dev,
     )
     if is_main_process():  # the batching resolved (a resumed run reads it back)
