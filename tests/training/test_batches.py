@@ -285,7 +285,26 @@ def test_resumed_ddp_epoch_gets_that_epochs_grouped_order():
             assert [list(b) for b in resumed] == expected
 
 
-def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok):
+class _Stop(Exception):
+    pass
+
+
+def _interrupted(records, base, cfg, out: Path) -> Path:
+    """Run ``cfg`` until its step-3 checkpoint is saved, then stop it; its temporary run dir."""
+    from transformers import TrainerCallback
+
+    class KillAtStep3(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == 3:
+                raise _Stop
+
+    with pytest.raises(_Stop):
+        finetune(records, base=base, config=cfg, out=out, callbacks=[KillAtStep3()])
+    [tmp] = out.parent.glob(f"{out.name}.tmp-*")
+    return tmp
+
+
+def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok, caplog):
     """An interrupted run whose run.json records no `grouped` nor `pad_to_multiple_of`
     (started before either existed: random order, batches padded to their longest exactly)
     resumes so, to the weights of a run with group_by_length false and pad_to_multiple_of 1;
@@ -293,7 +312,6 @@ def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok
     import shutil
 
     from safetensors.torch import load_file
-    from transformers import TrainerCallback
 
     from scpdr.testing import tiny_model
 
@@ -301,19 +319,8 @@ def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok
     base = (tiny_model(0), tok)
     common = _resume_run(max_steps=5, save_steps=3)
 
-    class Stop(Exception):
-        pass
-
-    class KillAtStep3(TrainerCallback):
-        def on_save(self, args, state, control, **kw):
-            if state.global_step == 3:
-                raise Stop
-
     def interrupted(cfg, out):
-        with pytest.raises(Stop):
-            finetune(records, base=base, config=cfg, out=out, callbacks=[KillAtStep3()])
-        [tmp] = out.parent.glob(f"{out.name}.tmp-*")
-        return tmp
+        return _interrupted(records, base, cfg, out)
 
     unset = TrainConfig(**common)  # group_by_length unset: grouped now (unpacked records)
     random_order = TrainConfig(group_by_length=False, pad_to_multiple_of=1, **common)
@@ -329,7 +336,12 @@ def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok
     del run["grouped"], run["pad_to_multiple_of"]
     (legacy / "run.json").write_text(json.dumps(run))
 
-    resumed = finetune(records, base=base, config=unset, out=tmp_path / "legacy")
+    with caplog.at_level("INFO", logger="scpdr.training.finetune"):
+        resumed = finetune(records, base=base, config=unset, out=tmp_path / "legacy")
+    assert (
+        "resumed with the batching it started with: batches in random order, padded to "
+        "the longest exactly" in caplog.text
+    )
     info = json.loads((resumed / TRAIN_INFO).read_text())
     assert info["resumed_from"] == "checkpoint-3"
     assert info["plan"]["grouped"] is False and info["config"]["group_by_length"] is False
@@ -339,3 +351,25 @@ def test_run_interrupted_before_grouping_existed_resumes_ungrouped(tmp_path, tok
     b = load_file(str(Path(resumed) / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_fp32_run_that_recorded_a_multiple_resumes_with_it(tmp_path, tok, caplog):
+    """An fp32 run interrupted when unset meant 16 in every precision (its run.json records
+    16) resumes at 16, though unset now means 1 in fp32, and says so."""
+    from scpdr.testing import tiny_model
+
+    records = names2ids(n_train=12, n_val=1, seed=0).train
+    base = (tiny_model(0), tok)
+    cfg = TrainConfig(**_resume_run(max_steps=5, save_steps=3))  # fp32, multiple unset
+    tmp = _interrupted(records, base, cfg, tmp_path / "run")
+    run = json.loads((tmp / "run.json").read_text())
+    assert run["pad_to_multiple_of"] == 1  # what fp32 resolves to now
+    (tmp / "run.json").write_text(json.dumps({**run, "pad_to_multiple_of": PAD_TO_MULTIPLE_OF}))
+    with caplog.at_level("INFO", logger="scpdr.training.finetune"):
+        out = finetune(records, base=base, config=cfg, out=tmp_path / "run")
+    assert f"length-grouped batches, padded to a multiple of {PAD_TO_MULTIPLE_OF} tokens" in (
+        caplog.text
+    )
+    info = json.loads((out / TRAIN_INFO).read_text())
+    assert info["resumed_from"] == "checkpoint-3"
+    assert info["plan"]["pad_to_multiple_of"] == PAD_TO_MULTIPLE_OF

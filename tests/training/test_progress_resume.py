@@ -148,6 +148,8 @@ def test_resume_continues_an_interrupted_train_from_its_checkpoint(tmp_path, cap
     assert "learning_rate (interrupted run: 0.01, now: 0.02)" in err
 
     assert main([*train, "--resume"]) == 0
+    # the printed plan cannot know a checkpoint's batching: it says the checkpoint's wins
+    assert "(a resumed constituent keeps the batching it started with):" in capsys.readouterr().out
     c0 = json.loads((out / "constituent-0" / TRAIN_INFO).read_text())
     c1 = json.loads((out / "constituent-1" / TRAIN_INFO).read_text())
     assert c0["resumed_from"] == "checkpoint-2" and c0["global_step"] == 4

@@ -27,10 +27,14 @@ from scpdr.commands.options import (
 from scpdr.device import DEVICE_HELP
 
 
-def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None) -> None:
+def print_plans(
+    pset: Any, base_ref: str, config: Any, device: str | None = None, resume: bool = False
+) -> None:
     """Print each constituent's training plan (:func:`scpdr.training.fit_to_data`), with the
     precision it trains in on ``device`` (``None``: the default, as training resolves it) and
-    why (:mod:`scpdr.training.precision`; decided by the main process, as in training)."""
+    why (:mod:`scpdr.training.precision`; decided by the main process, as in training).
+    ``resume``: say that a resumed constituent keeps the batching its checkpoint started with
+    (``finetune`` logs which), which may differ from the plan printed here."""
     from scpdr.models import load_tokenizer
     from scpdr.training import example_lengths, fit_to_data
     from scpdr.training.placement import main_result, training_device
@@ -44,7 +48,8 @@ def print_plans(pset: Any, base_ref: str, config: Any, device: str | None = None
     else:
         dev = training_device(device)
         choice = main_result(lambda: resolve_precision(config.precision, device=dev))
-    typer.echo(f"training plan ({pset.k} constituents):")
+    kept = " (a resumed constituent keeps the batching it started with)" if resume else ""
+    typer.echo(f"training plan ({pset.k} constituents){kept}:")
     for i, part in enumerate(pset.parts):
         if part:
             _, plan = fit_to_data(
@@ -226,7 +231,7 @@ def train(
                 tiny_model(seed).save_pretrained(str(tiny_dir))
                 tiny_tokenizer().save_pretrained(str(tiny_dir))
         base_ref = str(tiny_dir)
-    print_plans(pset, base_ref, cfg, device)
+    print_plans(pset, base_ref, cfg, device, resume=resume)
     path = train_bundle(
         source,
         base=base_ref,

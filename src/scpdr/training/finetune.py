@@ -198,6 +198,15 @@ def finetune(
         atomic_write_json(tmp / RUN_INFO, {**run, **resolved})
     logger.debug("plan of %s:\n%s", out, plan.summary())
     logger.info("%s: precision %s", out.name, precision.summary)
+    if kept:  # scpdr train's printed plan does not know what a checkpoint started with
+        logger.info(
+            "%s: resumed with the batching it started with: %s, padded to %s",
+            out.name,
+            "length-grouped batches" if plan.grouped else "batches in random order",
+            f"a multiple of {plan.pad_to_multiple_of} tokens"
+            if plan.pad_to_multiple_of > 1
+            else "the longest exactly",
+        )
     for warning in plan.warnings():
         logger.warning("%s: %s", out.name, warning)
     rows = build_sequences(
