@@ -54,7 +54,8 @@ PAPER_DEFAULTS: dict[str, tuple[Any, Any]] = {
 }
 
 #: Unpacked batches trained in bf16 are padded to a multiple of this many tokens
-#: (``pad_to_multiple_of`` unset; in fp32: 1, the longest exactly: :func:`scpdr.training.plan.default_pad_multiple`).
+#: (``pad_to_multiple_of`` unset; in fp32: 1, the longest exactly:
+#: :func:`scpdr.training.plan.default_pad_multiple`).
 PAD_TO_MULTIPLE_OF = 16
 
 #: Tokens one forward pass holds when training on CPU and ``max_batch_tokens`` is unset (about

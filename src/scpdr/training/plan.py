@@ -20,8 +20,8 @@ the user set and sizes the rest to the data:
   shapes (:class:`~scpdr.training.sequences.CausalCollator`): oneDNN, which runs torch's bf16
   matmuls on CPU, keeps kernels per shape; in fp32 the longest exactly (the matmuls' memory did
   not creep with the shapes, and the rounding gained neither time nor more than 2% of memory
-  for twice the padding tokens). The padding
-  share and the ``max_batch_tokens`` split count that width;
+  for twice the padding tokens). The padding share and the ``max_batch_tokens`` split count
+  that width;
 - **memory** (on the device ``fit_to_data`` is given): gradient checkpointing
   (``gradient_checkpointing`` unset) on when training on CPU — a laptop runs out of memory long
   before a GPU does, and the activations are most of a step's memory (135M model, 8 x 256 tokens,
