@@ -88,6 +88,10 @@ def test_collator_rounds_each_batch_up_to_the_multiple_and_the_share_counts_it()
     assert CausalCollator(pad_token_id=2, pad_to_multiple_of=1)(rows)["input_ids"].shape[1] == 5
     with pytest.raises(ConfigError, match="pad_to_multiple_of"):
         CausalCollator(pad_token_id=2, pad_to_multiple_of=0)
+    # a multiple pads even rows of one length, so it needs a pad token from the start
+    with pytest.raises(ConfigError, match="multiple of 4 tokens needs a pad token"):
+        CausalCollator(pad_to_multiple_of=4)
+    assert CausalCollator()([_row([5, 6, 7]), _row([8, 9, 10])])["input_ids"].shape == (2, 3)
     # [4, 4] -> 6 wide, [2, 2] -> 3 wide: 18 tokens, 12 real
     assert padding_share([2, 4, 4, 2], [1, 2, 0, 3], 2, 3) == pytest.approx(6 / 18)
     # the share is what the collator builds, for any lengths, order, batch size and multiple

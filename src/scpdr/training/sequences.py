@@ -131,6 +131,11 @@ class CausalCollator:
         self.goldfish_h = goldfish_h
         self.pad_token_id = pad_token_id
         padded_width(1, pad_to_multiple_of)  # validates it
+        if pad_to_multiple_of > 1 and pad_token_id is None:
+            raise ConfigError(
+                f"padding to a multiple of {pad_to_multiple_of} tokens needs a pad token: pass "
+                "CausalCollator(pad_token_id=tokenizer.eos_token_id, ...) or pad_to_multiple_of=1"
+            )
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
