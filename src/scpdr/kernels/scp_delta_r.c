@@ -103,9 +103,9 @@ static double max_logsum_store(const float *x, int64_t v, float *e, float *mx_ou
 /* One row's log-sum-exp as mx + logs, the mean of its floored log-probs y = max(x - mx - logs,
    LOG_FLOOR) and (z_out, may be NULL) the sum of its floored probabilities, sum max(p,
    e^LOG_FLOOR) = sum e^y, from sum p = e^(log s - logs) (the float rounding of logs) and the
-   floored tokens' shortfall e^LOG_FLOOR - p, which only blocks reaching the floor compute,
-   from the stored exponentials (p = e[t]·e^-logs: no second exponential per token). e: room
-   for the row's exp(x - max) (see max_logsum_store). */
+   floored tokens' shortfall e^LOG_FLOOR - p, summed in the same sweep as the mean from the
+   stored exponentials (p = e[t]·e^-logs: no second exponential per token, no second sweep).
+   e: room for the row's exp(x - max) (see max_logsum_store). */
 static void row_stats(const float *x, int64_t v, float *e, float *mx_out, float *logs_out,
                       float *mean_out, double *z_out) {
     float mx, logs;
@@ -116,24 +116,22 @@ static void row_stats(const float *x, int64_t v, float *e, float *mx_out, float 
     for (int64_t t0 = 0; t0 < v; t0 += BLOCK) {
         const int64_t len = v - t0 < BLOCK ? v - t0 : BLOCK;
         const float *xb = x + t0;
-        float ba = 0.0f, bmin = INFINITY;
-#pragma omp simd reduction(+ : ba) reduction(min : bmin)
-        for (int64_t t = 0; t < len; t++) {
-            const float y = (xb[t] - mx) - logs;
-            ba += fmx(y, LOG_FLOOR);
-            bmin = fmn(bmin, y);
-        }
-        acc += (double)ba;
-        if (z_out && bmin < LOG_FLOOR) { /* e^F - p of the floored tokens of this block */
-            float bz = 0.0f;
+        float ba = 0.0f;
+        if (z_out) { /* with e^F - p of the floored tokens, in the same sweep */
             const float *eb = e + t0;
-#pragma omp simd reduction(+ : bz)
+            float bz = 0.0f;
+#pragma omp simd reduction(+ : ba, bz)
             for (int64_t t = 0; t < len; t++) {
                 const float y = (xb[t] - mx) - logs;
+                ba += fmx(y, LOG_FLOOR);
                 bz += y < LOG_FLOOR ? floor_p - eb[t] * c : 0.0f;
             }
             short_p += (double)bz;
+        } else {
+#pragma omp simd reduction(+ : ba)
+            for (int64_t t = 0; t < len; t++) ba += fmx((xb[t] - mx) - logs, LOG_FLOOR);
         }
+        acc += (double)ba;
     }
     if (z_out) *z_out = exp(log_s - (double)logs) + short_p;
     *mx_out = mx;
