@@ -141,6 +141,34 @@ def test_kernel_at_the_real_vocabulary_and_batch_shapes():
     torch.testing.assert_close(out, want, atol=sum_tol(49152, want), rtol=2e-6)
 
 
+def test_kernel_takes_any_layout_and_broadcast_base_as_the_torch_path():
+    """Non-contiguous constituents and every base shape that broadcasts to (*batch, V) give
+    what the torch path gives, the kept sets in (K, *batch, m), and the inputs are untouched."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 3000
+    shared = torch.randn(3, 2, vocab, generator=g) * 4
+    x = (shared + torch.randn(2, 3, 2, vocab, generator=g)).transpose(1, 2)  # (2, 2, 3, V)
+    assert not x.is_contiguous()
+    row = torch.randn(3, vocab, generator=g) * 4
+    bases = {
+        "per row": shared.transpose(0, 1) + torch.randn(2, 3, vocab, generator=g),
+        "per row, non-contiguous": (shared + torch.randn(3, 2, vocab, generator=g)).transpose(0, 1),
+        "broadcast (3, V)": row,
+        "broadcast (1, 3, V)": row[None],
+        "constant (V,)": row[0],
+        "constant (1, 1, V)": row[0].reshape(1, 1, vocab),
+    }
+    before = x.clone()
+    for name, base in bases.items():
+        copy = base.clone()
+        out, kept = run(x, base, 7, kept=True)
+        assert out.shape == (2, 3, vocab) and kept.shape == (2, 2, 3, 7), name
+        want = naf.scp_delta_r_torch(x, base=base, m=7)
+        torch.testing.assert_close(out, want, atol=sum_tol(vocab, want), rtol=2e-6, msg=name)
+        assert torch.equal(base, copy), name
+    assert torch.equal(x, before)
+
+
 @pytest.mark.parametrize("constant", [False, True])
 def test_kernel_rows_split_over_threads_give_the_same_bits(constant):
     """The OpenMP build splits the rows over threads (each row by one thread, one scratch

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -121,6 +122,12 @@ class Library:
     def label(self) -> str:
         """``"avx512, native build"``: for logs and benchmark reports."""
         return f"{self.isa}, {self.target} build"
+
+    @functools.cached_property
+    def choices_path(self) -> Path:
+        """Where its measured decisions are stored (``<library>.choices.json``), computed once:
+        the per-step lookups of a decision do no path arithmetic."""
+        return self.path.with_suffix(".choices.json")
 
 
 @dataclass(frozen=True)
@@ -352,7 +359,7 @@ def interleaved_medians(
 
 def choices_file(lib: Library) -> Path:
     """Where ``lib``'s measured decisions are stored (``<library>.choices.json``)."""
-    return lib.path.with_suffix(".choices.json")
+    return lib.choices_path
 
 
 def _read_choices(path: Path) -> dict[str, dict]:
@@ -436,13 +443,15 @@ def choose(
     *,
     title: str,
     decide: Callable[[Sequence[tuple[str, float, float]]], bool] | None = None,
+    side: Side | None = None,
 ) -> Choice:
     """Kernel or torch for the shape class ``shape`` of ``lib``: forced by :func:`policy`,
     else remembered (this process, then ``<library>.choices.json``), else ``measure()``-d —
     ``(what, kernel seconds, torch seconds)`` per case, timed in the same moment — and the
     kernel kept only if it is faster in every case, or where ``decide(timings)`` says
-    (:func:`measured_choice`). Logged once at INFO as ``title``."""
-    side = policy(lib.name)
+    (:func:`measured_choice`). Logged once at INFO as ``title``. ``side``: the policy, where
+    the caller has just read it (a per-step caller reads it once)."""
+    side = policy(lib.name) if side is None else side
     if side != "auto":
         return Choice(side == "kernel", f"forced ({SWITCHES[lib.name]} or scpdr.kernels.force)")
     return measured_choice(

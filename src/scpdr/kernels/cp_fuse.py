@@ -98,4 +98,4 @@ def chosen(
         return [(what, med["kernel"], med["torch"])]
 
     shape = f"V{1 << max(0, (vocab - 1).bit_length())}-lattice{ni}x{nj}"
-    return lib if build.choose(lib, shape, measure, title=_TITLE).use_kernel else None
+    return lib if build.choose(lib, shape, measure, title=_TITLE, side=side).use_kernel else None

@@ -95,15 +95,20 @@ def run(
     ``threads`` threads (default torch's; an OpenMP build only, and only batches of more than
     ~64k constituent elements): each row is computed by one thread, so the result is the same
     for any thread count."""
-    k, shape, vocab = x.shape[0], tuple(x.shape[1:]), x.shape[-1]
+    # A contiguous (K, *batch, V) tensor is the kernel's (K, N, V) layout as it is; the output
+    # is made in its final shape. Few torch calls: right after a decode step each one runs from
+    # cold caches (tens of microseconds), a large share of the aggregation at B = 1.
+    k, shape, vocab = x.shape[0], x.shape[1:], x.shape[-1]
     n = math.prod(shape[:-1])
-    xc = x.reshape(k, n, vocab).contiguous()
+    xc = x if x.is_contiguous() else x.contiguous()
     if base.numel() == vocab:  # a constant base ('c' variant)
-        bc, rows = base.reshape(1, vocab).contiguous(), 1
+        bc, rows = (base if base.is_contiguous() else base.contiguous()), 1
+    elif base.shape == shape and base.is_contiguous():
+        bc, rows = base, n
     else:
-        bc, rows = base.expand(shape).reshape(n, vocab).contiguous(), n
-    out = torch.empty((n, vocab), dtype=torch.float32)
-    idx = torch.empty((k, n, m), dtype=torch.int64) if kept else None
+        bc, rows = base.expand(shape).contiguous(), n
+    out = torch.empty(shape, dtype=torch.float32)
+    idx = torch.empty((k, *shape[:-1], m), dtype=torch.int64) if kept else None
     rc = lib.cdll.scp_delta_r_f32(
         xc.data_ptr(), k, n, vocab, bc.data_ptr(), rows, m, out.data_ptr(),
         None if idx is None else idx.data_ptr(),
@@ -113,9 +118,7 @@ def run(
         raise MemoryError("scp_delta_r_f32: out of memory")
     if rc != 0:
         raise ValueError(f"scp_delta_r_f32 does not take K = {k}, m = {m}, V = {vocab}")
-    if idx is None:
-        return out.reshape(shape)
-    return out.reshape(shape), idx.reshape(k, *shape[:-1], m)
+    return out if idx is None else (out, idx)
 
 
 def _bucket(n: int) -> int:
@@ -150,4 +153,4 @@ def chosen(
         )
         return [(f"at K = {k}, {n} rows, V = {vocab}, m = {m}", med["kernel"], med["torch"])]
 
-    return lib if build.choose(lib, shape, measure, title=_TITLE).use_kernel else None
+    return lib if build.choose(lib, shape, measure, title=_TITLE, side=side).use_kernel else None
