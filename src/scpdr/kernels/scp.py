@@ -95,18 +95,17 @@ def run(
     ``threads`` threads (default torch's; an OpenMP build only, and only batches of more than
     ~64k constituent elements): each row is computed by one thread, so the result is the same
     for any thread count."""
-    # A contiguous (K, *batch, V) tensor is the kernel's (K, N, V) layout as it is; the output
-    # is made in its final shape. Few torch calls: right after a decode step each one runs from
-    # cold caches (tens of microseconds), a large share of the aggregation at B = 1.
+    # A contiguous (K, *batch, V) tensor is the kernel's (K, N, V) layout as it is
+    # (``contiguous()`` returns it), and the output is made in its final shape: few torch calls,
+    # as right after a decode step each runs from cold caches (tens of microseconds), a large
+    # share of the aggregation at B = 1.
     k, shape, vocab = x.shape[0], x.shape[1:], x.shape[-1]
     n = math.prod(shape[:-1])
-    xc = x if x.is_contiguous() else x.contiguous()
+    xc = x.contiguous()
     if base.numel() == vocab:  # a constant base ('c' variant)
-        bc, rows = (base if base.is_contiguous() else base.contiguous()), 1
-    elif base.shape == shape and base.is_contiguous():
-        bc, rows = base, n
+        bc, rows = base.contiguous(), 1
     else:
-        bc, rows = base.expand(shape).contiguous(), n
+        bc, rows = (base if base.shape == shape else base.expand(shape)).contiguous(), n
     out = torch.empty(shape, dtype=torch.float32)
     idx = torch.empty((k, *shape[:-1], m), dtype=torch.int64) if kept else None
     rc = lib.cdll.scp_delta_r_f32(
