@@ -218,7 +218,6 @@ def _resume_run(*, max_steps: int, save_steps: int) -> dict:
 
 def test_grouped_run_interrupted_mid_epoch_resumes_to_the_same_weights(tmp_path, tok):
     from safetensors.torch import load_file
-    from transformers import TrainerCallback
 
     from scpdr.testing import tiny_model
 
@@ -232,16 +231,7 @@ def test_grouped_run_interrupted_mid_epoch_resumes_to_the_same_weights(tmp_path,
     info = json.loads((straight / TRAIN_INFO).read_text())
     assert info["plan"]["grouped"] is True and info["plan"]["packing"] is False
 
-    class Stop(Exception):
-        pass
-
-    class KillAtStep4(TrainerCallback):
-        def on_save(self, args, state, control, **kw):
-            if state.global_step == 4:
-                raise Stop
-
-    with pytest.raises(Stop):
-        finetune(records, base=base, config=cfg, out=tmp_path / "r", callbacks=[KillAtStep4()])
+    _interrupted(records, base, cfg, tmp_path / "r", step=4)
     resumed = finetune(records, base=base, config=cfg, out=tmp_path / "r")
     assert json.loads((resumed / TRAIN_INFO).read_text())["resumed_from"] == "checkpoint-4"
     a = load_file(str(Path(straight) / "model.safetensors"))
@@ -293,17 +283,18 @@ class _Stop(Exception):
     pass
 
 
-def _interrupted(records, base, cfg, out: Path) -> Path:
-    """Run ``cfg`` until its step-3 checkpoint is saved, then stop it; its temporary run dir."""
+def _interrupted(records, base, cfg, out: Path, step: int = 3) -> Path:
+    """Run ``cfg`` until its checkpoint of ``step`` is saved, then stop it (as a kill would);
+    its temporary run dir."""
     from transformers import TrainerCallback
 
-    class KillAtStep3(TrainerCallback):
+    class KillAtStep(TrainerCallback):
         def on_save(self, args, state, control, **kw):
-            if state.global_step == 3:
+            if state.global_step == step:
                 raise _Stop
 
     with pytest.raises(_Stop):
-        finetune(records, base=base, config=cfg, out=out, callbacks=[KillAtStep3()])
+        finetune(records, base=base, config=cfg, out=out, callbacks=[KillAtStep()])
     [tmp] = out.parent.glob(f"{out.name}.tmp-*")
     return tmp
 
